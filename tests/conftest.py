@@ -1,0 +1,10 @@
+"""Test-wide setup: 8 fake CPU devices for sharding tests, float32 matmuls, strict rank promotion."""
+
+import os
+
+# Must be set before jax is imported anywhere in the test process.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -1,0 +1,1 @@
+"""Sub-commands of the ``tmax-jax`` CLI; see tmax_jax/cli.py for the registry."""
