@@ -1,0 +1,1 @@
+"""Evaluation over Harbor-format task directories: pass@k, resumable runs, reports."""
