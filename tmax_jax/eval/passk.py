@@ -16,7 +16,11 @@ from tmax_jax.errors import ConfigError
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """pass@k for one task with ``n`` attempts, ``c`` of them passing."""
-    if not (isinstance(n, (int, np.integer)) and isinstance(c, (int, np.integer)) and isinstance(k, (int, np.integer))):
+    if not (
+        isinstance(n, (int, np.integer))
+        and isinstance(c, (int, np.integer))
+        and isinstance(k, (int, np.integer))
+    ):
         raise ConfigError(f"pass_at_k needs integers, got n={n!r}, c={c!r}, k={k!r}")
     if n < 1:
         raise ConfigError(f"pass_at_k: n (attempts) must be >= 1, got {n}")

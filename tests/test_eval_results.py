@@ -1,0 +1,101 @@
+"""Resume bookkeeping of an evaluation run and its summary numbers."""
+
+import json
+
+import pytest
+
+from tmax_jax.errors import ConfigError
+from tmax_jax.eval.html_report import render_html
+from tmax_jax.eval.passk import pass_at_k
+from tmax_jax.eval.results import AttemptRecord, ResultsLog, check_run_identity
+from tmax_jax.eval.summary import report_ks, summarize
+
+
+def test_log_survives_reload_and_marks_done(tmp_path):
+    log = ResultsLog(tmp_path)
+    log.add(AttemptRecord("a", 0, "passed", reward=1.0))
+    log.add(AttemptRecord("a", 1, "error", reason="sandbox died"))
+    log.add(AttemptRecord("b", 0, "env_unavailable", reason="pip install"))
+    again = ResultsLog(tmp_path)
+    assert len(again) == 3
+    assert again.is_done("a", 0) and again.is_done("a", 1) and again.is_done("b", 0)
+    assert not again.is_done("a", 2) and not again.is_done("c", 0)
+    retry = ResultsLog(tmp_path, retry_errors=True)
+    assert not retry.is_done("a", 1) and retry.is_done("a", 0)
+    retry.add(AttemptRecord("a", 1, "failed"))
+    assert {r.key: r.status for r in ResultsLog(tmp_path).records()}[("a", 1)] == "failed"
+
+
+def test_torn_last_line_is_rerun_but_corruption_elsewhere_is_an_error(tmp_path):
+    log = ResultsLog(tmp_path)
+    log.add(AttemptRecord("a", 0, "passed", reward=1.0))
+    with open(log.path, "a") as f:
+        f.write('{"task_id": "a", "attem')
+    assert not ResultsLog(tmp_path).is_done("a", 1)
+    assert ResultsLog(tmp_path).is_done("a", 0)
+    with open(log.path, "a") as f:
+        f.write("\n" + json.dumps({"task_id": "b", "attempt": 0, "status": "failed"}) + "\n")
+    with pytest.raises(ConfigError, match="line 2"):
+        ResultsLog(tmp_path)
+
+
+def test_bad_status_is_named():
+    with pytest.raises(ConfigError, match="'win'"):
+        AttemptRecord("a", 0, "win")
+
+
+def test_run_identity_refuses_another_agent(tmp_path):
+    check_run_identity(tmp_path, {"agent": "oracle", "tasks_dir": "/t"})
+    check_run_identity(tmp_path, {"agent": "oracle", "tasks_dir": "/t"})
+    with pytest.raises(ConfigError, match="agent: saved 'oracle', now 'noop'"):
+        check_run_identity(tmp_path, {"agent": "noop", "tasks_dir": "/t"})
+
+
+def test_report_ks():
+    assert report_ks(1) == [1]
+    assert report_ks(5) == [1, 2, 4, 5]
+    assert report_ks(8) == [1, 2, 4, 8]
+
+
+def _records():
+    recs = []
+    # t1: 2 of 4 pass, t2: 0 of 4, t3: 4 of 4, t4: environment unavailable, t5: never run.
+    for i, ok in enumerate([True, False, True, False]):
+        recs.append(AttemptRecord("t1", i, "passed" if ok else "failed", reward=float(ok), category="files"))
+    for i in range(4):
+        recs.append(AttemptRecord("t2", i, "error" if i == 0 else "failed", reward=0.25, category="files"))
+    for i in range(4):
+        recs.append(AttemptRecord("t3", i, "passed", reward=1.0, category="net"))
+    recs.append(AttemptRecord("t4", 0, "env_unavailable", reason="apt-get", category="net"))
+    return recs
+
+
+def test_summary_numbers_match_a_hand_computation():
+    tasks = {"t1": "files", "t2": "files", "t3": "net", "t4": "net", "t5": "net"}
+    s = summarize(_records(), tasks, k=4, meta={"agent": "oracle"})
+    assert s["agent"] == "oracle" and s["ks"] == [1, 2, 4]
+    o = s["overall"]
+    assert (o["tasks"], o["evaluated"], o["env_unavailable"], o["not_run"]) == (5, 3, 1, 1)
+    assert o["pass_at"]["1"] == pytest.approx((0.5 + 0.0 + 1.0) / 3)
+    assert o["pass_at"]["2"] == pytest.approx((pass_at_k(4, 2, 2) + 0 + 1) / 3)
+    assert o["pass_at"]["4"] == pytest.approx(2 / 3)
+    assert o["errors"] == 1 and o["zero_pass"] == 1 and o["solved_any"] == 2
+    assert o["mean_reward"] == pytest.approx((0.5 + 0.25 + 1.0) / 3)
+    files, net = s["categories"]["files"], s["categories"]["net"]
+    assert files["pass_at"]["1"] == pytest.approx(0.25)
+    assert net["pass_at"]["4"] == pytest.approx(1.0) and net["env_unavailable"] == 1
+    assert s["env_unavailable"] == [{"task_id": "t4", "reason": "apt-get"}]
+    rows = {r["task_id"]: r for r in s["tasks"]}
+    assert rows["t5"]["status"] == "not_run" and rows["t4"]["pass_at"]["1"] is None
+
+
+def test_html_report_has_tables_charts_and_escapes():
+    recs = _records() + [AttemptRecord("<script>", 0, "passed", reward=1.0, category="a&b")]
+    tasks = {"t1": "files", "t2": "files", "t3": "net", "t4": "net", "<script>": "a&b"}
+    page = render_html(summarize(recs, tasks, k=4, meta={"agent": "oracle"}))
+    assert page.count("<svg") == 2
+    assert "<script>" not in page and "&lt;script&gt;" in page and "a&amp;b" in page
+    assert "environment unavailable" in page and "pass@4" in page
+    # One bar per value: pass@{1,2,4} overall, then 3 categories x (pass@1, pass@4) less the a&b
+    # category's pass@4, which has one attempt only (drawn as n/a, not as a zero bar).
+    assert page.count("<rect") - page.count('width="10" height="10"') == 3 + 5

@@ -1,0 +1,110 @@
+"""The HTML report of an evaluation run: tables and inline SVG charts, one self-contained file."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from html import escape
+from typing import Any
+
+from tmax_jax.eval.svg import bar_chart
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    return escape(str(v))
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _stats_row(name: str, s: Mapping[str, Any], ks: list[int]) -> list[str]:
+    return [
+        escape(name),
+        _fmt(s["tasks"]),
+        _fmt(s["evaluated"]),
+        _fmt(s["env_unavailable"]),
+        *[_fmt(s["pass_at"][str(j)]) for j in ks],
+        _fmt(s["mean_reward"]),
+        _fmt(s["errors"]),
+    ]
+
+
+def render_html(summary: Mapping[str, Any]) -> str:
+    ks: list[int] = summary["ks"]
+    k = summary["k"]
+    stat_header = [
+        "",
+        "tasks",
+        "evaluated",
+        "env unavailable",
+        *[f"pass@{j}" for j in ks],
+        "mean reward",
+        "errors",
+    ]
+    overall = summary["overall"]
+    cats = summary["categories"]
+    cat_names = list(cats)
+    charts = [
+        bar_chart(
+            [f"k={j}" for j in ks],
+            {"pass@k": [overall["pass_at"][str(j)] for j in ks]},
+            title="pass@k (unbiased estimator), all evaluated tasks",
+        ),
+        bar_chart(
+            cat_names,
+            {
+                "pass@1": [cats[c]["pass_at"]["1"] for c in cat_names],
+                f"pass@{k}": [cats[c]["pass_at"][str(k)] for c in cat_names],
+            },
+            title="per category",
+        ),
+    ]
+    task_rows = []
+    for r in summary["tasks"]:
+        log = r.get("log_dir")
+        link = f'<a href="{escape(log)}/">{escape(r["task_id"])}</a>' if log else escape(r["task_id"])
+        task_rows.append(
+            [
+                link,
+                escape(r["category"]),
+                escape(r["status"]),
+                f"{r['passes']}/{r['attempts']}",
+                _fmt(r["pass_at"]["1"]),
+                _fmt(r["pass_at"][str(k)]),
+                _fmt(r["mean_reward"]),
+                escape(r.get("reason", "")),
+            ]
+        )
+    meta_items = "".join(
+        f"<li><b>{escape(str(key))}</b>: {escape(str(summary[key]))}</li>"
+        for key in ("agent", "model", "harness", "tasks_dir", "started", "elapsed_s")
+        if key in summary
+    )
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>tmax-jax eval: {escape(str(summary.get("agent", "")))}</title>
+<style>
+body {{ font-family: sans-serif; margin: 2em; }}
+table {{ border-collapse: collapse; margin: 1em 0; }}
+td, th {{ border: 1px solid #ccc; padding: 3px 8px; text-align: right; }}
+td:first-child, th:first-child {{ text-align: left; }}
+</style></head><body>
+<h1>Evaluation report</h1>
+<ul>{meta_items}</ul>
+<p>pass@j is the unbiased estimator of Chen et al. (2021) averaged over evaluated tasks; tasks whose
+environment cannot be built offline are listed as "environment unavailable" and not scored.</p>
+<h2>Overall</h2>
+{_table(stat_header, [_stats_row("all", overall, ks)])}
+{charts[0]}
+<h2>Per category</h2>
+{_table(stat_header, [_stats_row(c, cats[c], ks) for c in cat_names])}
+{charts[1]}
+<h2>Tasks</h2>
+{_table(["task", "category", "status", "passed", "pass@1", f"pass@{k}", "mean reward", "note"], task_rows)}
+</body></html>
+"""
