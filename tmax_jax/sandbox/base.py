@@ -1,0 +1,312 @@
+"""The sandbox interface every backend implements, and the parts they share."""
+
+from __future__ import annotations
+
+import abc
+import io
+import json
+import os
+import shlex
+import shutil
+import tarfile
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path, PurePosixPath
+
+from tmax_jax.errors import SandboxError
+from tmax_jax.sandbox import registry
+from tmax_jax.sandbox.config import ExecResult, SandboxConfig
+from tmax_jax.sandbox.procs import TRUNCATION_MARKER, run_capped
+
+BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+class EpisodeTimeout(SandboxError):
+    """The sandbox's episode wall time is spent; nothing more may run in it."""
+
+
+class Sandbox(abc.ABC):
+    """One isolated machine for one episode. Use as a context manager; ``close`` always cleans up.
+
+    ``exec`` runs one command in a fresh ``bash -c`` (cwd and env do not carry over); ``shell()``
+    gives a persistent bash whose cwd, variables and background jobs carry across ``run`` calls.
+    """
+
+    backend = "base"
+
+    def __init__(self, cfg: SandboxConfig, env: Mapping[str, str] | None = None, workdir: str | None = None):
+        self.cfg = cfg
+        self.id = f"{os.getpid()}-{uuid.uuid4().hex[:10]}"
+        self.image_env = dict(env or {})
+        self.workdir = workdir or cfg.workdir
+        self.started_at = time.monotonic()
+        self.deadline = self.started_at + cfg.episode_timeout_s
+        self.start_latency_s = 0.0
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._shells: list = []
+        self.run_dir = cfg.resolved_run_dir / self.id
+        self.exec_count = 0
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> Sandbox:
+        t0 = time.monotonic()
+        self.run_dir.mkdir(parents=True, exist_ok=False)
+        registry.register(self)
+        try:
+            self._write_owner()
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        self.start_latency_s = time.monotonic() - t0
+        self.started_at = time.monotonic()
+        self.deadline = self.started_at + self.cfg.episode_timeout_s
+        return self
+
+    def _write_owner(self, **extra) -> None:
+        rec = registry.owner_record({"backend": self.backend, **self._owner_extra(), **extra})
+        (self.run_dir / "owner.json").write_text(json.dumps(rec))
+
+    def _owner_extra(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        """Kill every process of the sandbox and remove its dirs/containers. Safe to call twice."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        for sh in list(self._shells):
+            sh.close()
+        try:
+            self._close()
+        finally:
+            registry.cleanup_record(self.run_dir, {})
+            registry.unregister(self)
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def alive(self) -> bool:
+        return not self._closed and self._alive()
+
+    def remaining_s(self) -> float:
+        return self.deadline - time.monotonic()
+
+    # ---- commands --------------------------------------------------------------------------------
+    def environment(self, env: Mapping[str, str] | None = None) -> dict[str, str]:
+        out = {"PATH": BASE_PATH, "HOME": "/root", "LANG": "C.UTF-8", "TERM": "dumb", "USER": "root"}
+        out.update(self._backend_env())
+        out.update(self.image_env)
+        out.update(dict(self.cfg.env))
+        out.update(env or {})
+        return out
+
+    def _backend_env(self) -> dict[str, str]:
+        return {}
+
+    def clamp_timeout(self, timeout: float | None) -> float:
+        if self._closed:
+            raise SandboxError(f"sandbox {self.id} is closed")
+        remaining = self.remaining_s()
+        if remaining <= 0:
+            raise EpisodeTimeout(
+                f"sandbox {self.id}: episode time limit ({self.cfg.episode_timeout_s}s) spent"
+            )
+        return min(timeout if timeout is not None else self.cfg.exec_timeout_s, remaining)
+
+    def exec(
+        self,
+        cmd: str | Sequence[str],
+        timeout: float | None = None,
+        stdin: str | bytes | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        max_output_bytes: int | None = None,
+    ) -> ExecResult:
+        """Run ``cmd`` (a shell string for bash, or an argv list) and wait for it.
+
+        The command is killed at ``timeout`` (exit 124, ``timed_out``) or when stdout+stderr pass
+        ``max_output_bytes`` (exit 137, ``truncated``, marker appended).
+        """
+        argv = ["/bin/bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        if not argv:
+            raise SandboxError("exec: empty command")
+        cap = max_output_bytes or self.cfg.max_output_bytes
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        got = self._run(argv, timeout=self.clamp_timeout(timeout), stdin=data, env=env, cwd=cwd, cap=cap)
+        out = got.stdout.decode("utf-8", "replace")
+        err = got.stderr.decode("utf-8", "replace")
+        if got.truncated:
+            err += TRUNCATION_MARKER.format(cap=cap)
+        return ExecResult(out, err, got.exit_code, got.timed_out, got.truncated, got.duration_s)
+
+    def _run(self, argv, *, timeout, stdin, env, cwd, cap, cap_stdout=True):
+        self.exec_count += 1
+        host_argv = self._exec_argv(
+            argv, self.environment(env), cwd or self.workdir, interactive=stdin is not None
+        )
+        return run_capped(
+            host_argv, timeout=timeout, cap=cap, stdin=stdin, on_kill=self._on_kill, cap_stdout=cap_stdout
+        )
+
+    def shell(self, env: Mapping[str, str] | None = None, cwd: str | None = None):
+        """A persistent bash session (see ``ShellSession``)."""
+        from tmax_jax.sandbox.shell import ShellSession
+
+        sh = ShellSession(self, env=env, cwd=cwd)
+        self._shells.append(sh)
+        return sh
+
+    # ---- files -----------------------------------------------------------------------------------
+    def upload(self, local_path: str | os.PathLike, remote_path: str, timeout: float = 120.0) -> None:
+        """Copy a host file or directory to ``remote_path`` inside (parents created, replaced if present)."""
+        local = Path(local_path)
+        if not local.exists():
+            raise SandboxError(f"upload: local path does not exist: {local}")
+        remote = PurePosixPath(_absolute(remote_path))
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            tar.add(str(local), arcname=remote.name)
+        self._untar(buf.getvalue(), str(remote.parent), remote.name, timeout)
+
+    def write_file(
+        self, remote_path: str, data: str | bytes, mode: int = 0o644, timeout: float = 60.0
+    ) -> None:
+        remote = PurePosixPath(_absolute(remote_path))
+        raw = data.encode() if isinstance(data, str) else data
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            info = tarfile.TarInfo(remote.name)
+            info.size, info.mode, info.mtime = len(raw), mode, int(time.time())
+            tar.addfile(info, io.BytesIO(raw))
+        self._untar(buf.getvalue(), str(remote.parent), remote.name, timeout)
+
+    def _untar(self, blob: bytes, parent: str, name: str, timeout: float) -> None:
+        q = shlex.quote
+        script = f"mkdir -p {q(parent)} && rm -rf {q(parent + '/' + name)} && tar -x -o -C {q(parent)}"
+        got = self._run(
+            ["/bin/bash", "-c", script],
+            timeout=self.clamp_timeout(timeout),
+            stdin=blob,
+            env=None,
+            cwd="/",
+            cap=1 << 16,
+        )
+        if got.exit_code != 0:
+            raise SandboxError(
+                f"upload to {parent}/{name} failed (exit {got.exit_code}): {got.stderr.decode(errors='replace')[-500:]}"
+            )
+
+    def download(self, remote_path: str, local_path: str | os.PathLike, timeout: float = 120.0) -> None:
+        """Copy a file or directory from inside the sandbox to ``local_path`` on the host."""
+        blob = self._tar_out(remote_path, timeout)
+        local = Path(local_path)
+        with tempfile.TemporaryDirectory() as tmp:
+            with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+                # "data" refuses absolute paths, links out of the tree and device files a hostile
+                # sandbox could put in the archive.
+                tar.extractall(tmp, filter="data")
+            got = Path(tmp) / PurePosixPath(remote_path).name
+            if local.is_dir() and not got.is_dir():
+                local = local / got.name
+            elif local.exists():
+                shutil.rmtree(local) if local.is_dir() else local.unlink()
+            local.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(got), str(local))
+
+    def read_file(self, remote_path: str, timeout: float = 60.0, max_bytes: int = 64 << 20) -> bytes:
+        blob = self._tar_out(remote_path, timeout, max_bytes)
+        with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+            member = tar.next()
+            if member is None or not member.isfile():
+                raise SandboxError(f"read_file: {remote_path} is not a regular file")
+            return tar.extractfile(member).read()
+
+    def _tar_out(self, remote_path: str, timeout: float, max_bytes: int = 4 << 30) -> bytes:
+        remote = PurePosixPath(_absolute(remote_path))
+        q = shlex.quote
+        script = f"test -e {q(str(remote))} || {{ echo 'no such path' >&2; exit 3; }}; tar -c -C {q(str(remote.parent))} {q(remote.name)}"
+        got = self._run(
+            ["/bin/bash", "-c", script],
+            timeout=self.clamp_timeout(timeout),
+            stdin=None,
+            env=None,
+            cwd="/",
+            cap=max_bytes,
+            cap_stdout=max_bytes < (4 << 30),
+        )
+        if got.exit_code == 3:
+            raise SandboxError(f"download: {remote_path} does not exist in the sandbox")
+        if got.exit_code != 0:
+            raise SandboxError(
+                f"download of {remote_path} failed (exit {got.exit_code}): {got.stderr.decode(errors='replace')[-500:]}"
+            )
+        return got.stdout
+
+    def shell_mark(self, session):
+        """Taken before each shell command; ``kill_command_processes`` kills what came after it."""
+        from tmax_jax.sandbox.shell import _boot_ticks
+
+        return _boot_ticks()
+
+    def kill_command_processes(self, session, since) -> None:
+        """Kill the descendants of ``session``'s shell started at/after ``since`` (boot clock ticks).
+
+        Generic version: read /proc from inside the sandbox. Backends whose processes are host
+        processes we own (bwrap) override this with a host-side walk that needs no fork inside.
+        """
+        from tmax_jax.sandbox.shell import descendants_started_after
+
+        got = self._run(
+            ["/bin/sh", "-c", "cat /proc/[0-9]*/stat 2>/dev/null; true"],
+            timeout=15,
+            stdin=None,
+            env=None,
+            cwd="/",
+            cap=16 << 20,
+        )
+        pids = descendants_started_after(got.stdout.decode(errors="replace"), session.shell_pid_inside, since)
+        if pids:
+            self._run(
+                ["/bin/kill", "-9", *map(str, pids)], timeout=15, stdin=None, env=None, cwd="/", cap=1 << 16
+            )
+
+    def _on_kill_shell(self, session) -> None:
+        """Kill a whole shell session inside the sandbox (backends with container-side processes)."""
+        return None
+
+    # ---- backend hooks ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def _start(self) -> None: ...
+
+    @abc.abstractmethod
+    def _exec_argv(self, argv: list[str], env: dict[str, str], cwd: str, interactive: bool) -> list[str]:
+        """Host argv that runs ``argv`` inside the sandbox with exactly ``env`` and ``cwd``."""
+
+    def _on_kill(self, proc) -> None:
+        """Kill what the host process tree does not own (container-side processes)."""
+        return None
+
+    @abc.abstractmethod
+    def _alive(self) -> bool: ...
+
+    @abc.abstractmethod
+    def _close(self) -> None: ...
+
+
+def _absolute(p: str) -> str:
+    if not str(p).startswith("/"):
+        raise SandboxError(f"remote path must be absolute, got {p!r}")
+    return str(PurePosixPath(p))

@@ -1,0 +1,7 @@
+"""placeholder, replaced below"""
+
+
+class PoolMetrics: ...
+
+
+class SandboxPool: ...

@@ -1,0 +1,133 @@
+"""Every live sandbox of this process, so that exit, SIGINT/SIGTERM and exceptions clean them all.
+
+Each sandbox also leaves an ``owner.json`` in its run dir; ``sweep_stale`` removes what a dead owner
+left behind (a parent killed with SIGKILL cannot clean up; its sandbox processes already died with
+it through ``--die-with-parent``, and the next pool start removes its dirs, cgroups and containers).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+from pathlib import Path
+
+from tmax_jax.sandbox import cgroup
+from tmax_jax.sandbox.procs import pid_alive
+
+_LIVE: dict = {}
+_LOCK = threading.Lock()
+_INSTALLED = False
+_PREVIOUS: dict[int, object] = {}
+
+
+def register(sb) -> None:
+    with _LOCK:
+        _LIVE[sb.id] = sb
+    _install()
+
+
+def unregister(sb) -> None:
+    with _LOCK:
+        _LIVE.pop(sb.id, None)
+
+
+def live() -> list:
+    with _LOCK:
+        return list(_LIVE.values())
+
+
+def close_all() -> None:
+    for sb in live():
+        try:
+            sb.close()
+        except Exception:  # noqa: BLE001 - keep closing the others
+            pass
+
+
+def _on_signal(signum, frame):
+    close_all()
+    prev = _PREVIOUS.get(signum)
+    if callable(prev):
+        prev(signum, frame)
+    elif signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    else:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def _install() -> None:
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    _INSTALLED = True
+    atexit.register(close_all)
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            prev = signal.getsignal(s)
+            # Keep Python's default SIGINT behaviour (KeyboardInterrupt) after our cleanup.
+            _PREVIOUS[s] = None if prev in (signal.default_int_handler, signal.SIG_DFL) else prev
+            signal.signal(s, _on_signal)
+
+
+def _proc_start_ticks(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rfind(b")") + 2 :].split()[19])
+
+
+def owner_record(extra: dict) -> dict:
+    pid = os.getpid()
+    return {"pid": pid, "start_ticks": _proc_start_ticks(pid), **extra}
+
+
+def owner_alive(rec: dict) -> bool:
+    pid = rec.get("pid")
+    return bool(pid) and pid_alive(pid) and _proc_start_ticks(pid) == rec.get("start_ticks")
+
+
+def cleanup_record(run_dir: Path, rec: dict) -> None:
+    """Remove everything one sandbox record names: container, cgroup, mount, dir."""
+    if rec.get("container"):
+        subprocess.run(["podman", "rm", "-f", "-t", "0", rec["container"]], capture_output=True, timeout=60)
+    if rec.get("apptainer_instance"):
+        subprocess.run(
+            [rec.get("apptainer_bin", "apptainer"), "instance", "stop", "-F", rec["apptainer_instance"]],
+            capture_output=True,
+            timeout=60,
+        )
+    if rec.get("cgroup"):
+        cg = cgroup.Cgroup(rec["cgroup"])
+        cg.kill_all()
+        cg.remove()
+    state = run_dir / "state"
+    if os.path.ismount(state):
+        subprocess.run(["umount", "-l", str(state)], capture_output=True)
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def sweep_stale(run_root: Path) -> int:
+    """Clean the sandboxes under ``run_root`` whose owner process is gone. Returns how many."""
+    n = 0
+    try:
+        entries = list(run_root.iterdir())
+    except OSError:
+        return 0
+    for d in entries:
+        try:
+            rec = json.loads((d / "owner.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if owner_alive(rec):
+            continue
+        cleanup_record(d, rec)
+        n += 1
+    return n
