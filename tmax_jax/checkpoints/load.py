@@ -1,0 +1,154 @@
+"""Load a local Hugging Face Qwen 3.5 checkpoint directory into ``Qwen35ForCausalLM``.
+
+Streams one parameter at a time (the stacked slices of one parameter, then its device placement),
+so host RAM never holds much more than the largest stacked parameter.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tmax_jax.checkpoints.hf_layout import IGNORED_PREFIXES, TEXT_PREFIX, VLM_PREFIX, StackedParam, all_params
+from tmax_jax.checkpoints.safetensors_io import SafetensorsFile
+from tmax_jax.errors import CheckpointError, ConfigError
+from tmax_jax.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
+
+Rules = Mapping[str, str | tuple[str, ...] | None] | Sequence[tuple[str, str | tuple[str, ...] | None]]
+
+
+def read_hf_config(path: str | Path) -> Qwen35Config:
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{path}: missing config.json")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file}: invalid JSON ({e})") from e
+    try:
+        return Qwen35Config.from_hf_config(raw)
+    except ConfigError as e:
+        raise CheckpointError(f"{cfg_file}: {e}") from e
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """tensor name -> file holding it."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = {}
+        for name, fname in weight_map.items():
+            f = path / fname
+            if not f.is_file():
+                raise CheckpointError(f"{path}: missing file {fname} (listed in {index.name} for {name})")
+            files[name] = f
+        return files
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise CheckpointError(f"{path}: missing model.safetensors (no *.safetensors files)")
+    files = {}
+    for f in shards:
+        for name in SafetensorsFile(f).keys():
+            files[name] = f
+    return files
+
+
+def logical_to_spec(names: Sequence[str | None], rules: Rules | None) -> jax.sharding.PartitionSpec:
+    table = dict(rules or {})
+    return jax.sharding.PartitionSpec(*(table.get(n) if n is not None else None for n in names))
+
+
+def _np_dtype(dtype) -> np.dtype:
+    return np.dtype(jnp.dtype(dtype))
+
+
+def load_hf(
+    path: str | Path,
+    dtype="float32",
+    *,
+    param_dtype=None,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: Rules | None = None,
+    remat: str = "none",
+) -> Qwen35ForCausalLM:
+    """``dtype``: compute dtype (and parameter dtype unless ``param_dtype`` is given).
+
+    With ``mesh``, each parameter is placed with ``NamedSharding(mesh, spec)`` where spec maps its
+    logical axis names through ``rules`` (names absent from rules are replicated).
+    """
+    path = Path(path)
+    cfg = read_hf_config(path)
+    files = _weight_files(path)
+    prefix = VLM_PREFIX if any(n.startswith(VLM_PREFIX) for n in files) else TEXT_PREFIX
+    params = all_params(cfg, prefix)
+
+    expected = {n for p in params for n in p.hf_names}
+    available = {n for n in files if not n.startswith(IGNORED_PREFIXES)}
+    if cfg.tie_word_embeddings:
+        available.discard("lm_head.weight")  # a tied head duplicates the embedding
+    missing = sorted(expected - available)
+    if missing:
+        raise CheckpointError(
+            f"{path}: missing tensor(s) {missing[:8]}" + (" ..." if len(missing) > 8 else "")
+        )
+    extra = sorted(available - expected)
+    if extra:
+        raise CheckpointError(
+            f"{path}: unexpected tensor(s) {extra[:8]}" + (" ..." if len(extra) > 8 else "")
+        )
+
+    compute_dtype = jnp.dtype(dtype)
+    pdtype = jnp.dtype(param_dtype if param_dtype is not None else dtype)
+    abstract = nnx.eval_shape(
+        lambda: Qwen35ForCausalLM(cfg, dtype=compute_dtype, param_dtype=pdtype, rngs=nnx.Rngs(0), remat=remat)
+    )
+    graphdef, state = nnx.split(abstract)
+    flat = dict(nnx.to_flat_state(state))
+    opened: dict[Path, SafetensorsFile] = {}
+
+    def read(name: str) -> np.ndarray:
+        f = files[name]
+        if f not in opened:
+            opened[f] = SafetensorsFile(f)
+        return opened[f].get(name)
+
+    for p in params:
+        var = flat[p.path]
+        value = _read_param(p, var.shape, read, cfg, pdtype)
+        names = var.get_metadata().get("out_sharding")
+        if mesh is not None:
+            sharding = jax.sharding.NamedSharding(mesh, logical_to_spec(names, rules))
+            arr = jax.make_array_from_callback(value.shape, sharding, lambda idx, v=value: v[idx])
+        else:
+            arr = jax.device_put(value)
+        del value
+        var.set_value(arr)
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _read_param(p: StackedParam, shape: tuple[int, ...], read, cfg: Qwen35Config, pdtype) -> np.ndarray:
+    slice_shape = shape[1:] if p.stacked else shape
+    zeros = np.broadcast_to(np.zeros((), np.int8), slice_shape)  # zero-memory proxy for the shape
+    hf_shape = p.rule.to_hf(zeros, cfg).shape
+    out = np.empty(shape, _np_dtype(pdtype))
+    for g, name in enumerate(p.hf_names):
+        tensor = read(name)
+        if tuple(tensor.shape) != tuple(hf_shape):
+            raise CheckpointError(
+                f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(hf_shape)}"
+            )
+        converted = p.rule.to_ours(tensor, cfg)
+        if p.stacked:
+            out[g] = converted
+        else:
+            out[...] = converted
+    return out

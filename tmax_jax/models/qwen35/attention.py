@@ -1,0 +1,96 @@
+"""Qwen 3.5 gated full attention: GQA, per-head q/k RMSNorm before partial RoPE, sigmoid output gate."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tmax_jax.models.qwen35.config import Qwen35Config
+from tmax_jax.models.qwen35.norms import zero_centred_rms_norm
+from tmax_jax.models.qwen35.params import constant, make_param, normal
+from tmax_jax.models.qwen35.rope import apply_partial_rope
+
+_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked pad row stays NaN-free
+
+
+class GatedAttention(nnx.Module):
+    def __init__(self, cfg: Qwen35Config, *, dtype, param_dtype, rngs: nnx.Rngs, stack: int | None = None):
+        D, Hq, Hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        init = normal(cfg.initializer_range)
+        self.dtype = dtype
+        self.head_dim = hd
+        self.eps = cfg.rms_norm_eps
+        # Query and output gate come out of one projection, interleaved per head: [q_h | gate_h].
+        self.q_proj = make_param(
+            rngs, init, (D, Hq, 2 * hd), ("embed", "q_heads", "head_dim"), param_dtype, stack
+        )
+        self.k_proj = make_param(
+            rngs, init, (D, Hkv, hd), ("embed", "kv_heads", "head_dim"), param_dtype, stack
+        )
+        self.v_proj = make_param(
+            rngs, init, (D, Hkv, hd), ("embed", "kv_heads", "head_dim"), param_dtype, stack
+        )
+        self.o_proj = make_param(
+            rngs, init, (Hq, hd, D), ("q_heads", "head_dim", "embed"), param_dtype, stack
+        )
+        self.q_norm = make_param(rngs, constant(0.0), (hd,), ("norm",), param_dtype, stack)
+        self.k_norm = make_param(rngs, constant(0.0), (hd,), ("norm",), param_dtype, stack)
+
+    def __call__(
+        self,
+        x_BxTxD: jax.Array,
+        cos_BxTxR: jax.Array,
+        sin_BxTxR: jax.Array,
+        segment_ids_BxT: jax.Array,
+        *,
+        kv_cache: tuple[jax.Array, jax.Array] | None = None,
+        lengths_B: jax.Array | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        dt, hd = self.dtype, self.head_dim
+        B, T, _ = x_BxTxD.shape
+        qg_BxTxHx2E = jnp.einsum("btd,dhe->bthe", x_BxTxD, self.q_proj[...].astype(dt))
+        q_BxTxHxE, gate_BxTxHxE = qg_BxTxHx2E[..., :hd], qg_BxTxHx2E[..., hd:]
+        k_BxTxGxE = jnp.einsum("btd,dhe->bthe", x_BxTxD, self.k_proj[...].astype(dt))
+        v_BxTxGxE = jnp.einsum("btd,dhe->bthe", x_BxTxD, self.v_proj[...].astype(dt))
+        q_BxTxHxE = zero_centred_rms_norm(q_BxTxHxE, self.q_norm[...], self.eps)
+        k_BxTxGxE = zero_centred_rms_norm(k_BxTxGxE, self.k_norm[...], self.eps)
+        q_BxTxHxE = apply_partial_rope(q_BxTxHxE, cos_BxTxR, sin_BxTxR)
+        k_BxTxGxE = apply_partial_rope(k_BxTxGxE, cos_BxTxR, sin_BxTxR)
+
+        valid_BxT = segment_ids_BxT > 0
+        new_cache = None
+        if kv_cache is None:
+            keys, values = k_BxTxGxE, v_BxTxGxE
+            t = jnp.arange(T)
+            causal_TxS = t[:, None] >= t[None, :]
+            mask_BxTxS = causal_TxS[None] & (segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :])
+        else:
+            cache_k, cache_v = kv_cache
+            S = cache_k.shape[1]
+            slot_BxT = lengths_B[:, None] + jnp.arange(T)[None, :]
+            # Pads write out of bounds, which mode="drop" discards: the cache never sees them.
+            slot_BxT = jnp.where(valid_BxT, slot_BxT, S)
+            rows = jnp.arange(B)[:, None]
+            cache_k = cache_k.at[rows, slot_BxT].set(k_BxTxGxE.astype(cache_k.dtype), mode="drop")
+            cache_v = cache_v.at[rows, slot_BxT].set(v_BxTxGxE.astype(cache_v.dtype), mode="drop")
+            new_cache = (cache_k, cache_v)
+            keys, values = cache_k.astype(dt), cache_v.astype(dt)
+            new_len_B = lengths_B + valid_BxT.sum(-1).astype(lengths_B.dtype)
+            s = jnp.arange(S)
+            q_slot_BxT = lengths_B[:, None] + jnp.arange(T)[None, :]
+            mask_BxTxS = (s[None, None, :] <= q_slot_BxT[:, :, None]) & (
+                s[None, None, :] < new_len_B[:, None, None]
+            )
+
+        G = keys.shape[2]
+        H = q_BxTxHxE.shape[2]
+        q_BxTxGxRxE = q_BxTxHxE.reshape(B, T, G, H // G, hd)
+        scores = jnp.einsum("btgre,bsge->bgrts", q_BxTxGxRxE, keys, preferred_element_type=jnp.float32)
+        scores = scores * (hd**-0.5)
+        scores = jnp.where(mask_BxTxS[:, None, None], scores, _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        attn_BxTxGxRxE = jnp.einsum("bgrts,bsge->btgre", probs, values)
+        attn_BxTxHxE = attn_BxTxGxRxE.reshape(B, T, H, hd) * jax.nn.sigmoid(gate_BxTxHxE)
+        out_BxTxD = jnp.einsum("bthe,hed->btd", attn_BxTxHxE, self.o_proj[...].astype(dt))
+        return out_BxTxD, new_cache

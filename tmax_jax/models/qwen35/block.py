@@ -1,0 +1,97 @@
+"""One period of the layer pattern (e.g. 3 Gated DeltaNet + 1 gated attention layers), each a
+pre-norm residual mixer followed by a pre-norm residual SwiGLU; parameters stacked over periods."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tmax_jax.models.qwen35.attention import GatedAttention
+from tmax_jax.models.qwen35.config import FULL, Qwen35Config
+from tmax_jax.models.qwen35.deltanet import GatedDeltaNet
+from tmax_jax.models.qwen35.mlp import SwiGLU
+from tmax_jax.models.qwen35.norms import zero_centred_rms_norm
+from tmax_jax.models.qwen35.params import constant, make_param
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: Qwen35Config, kind: str, *, dtype, param_dtype, rngs: nnx.Rngs, stack: int):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, stack=stack)
+        self.kind = kind
+        self.eps = cfg.rms_norm_eps
+        D = cfg.hidden_size
+        self.input_layernorm = make_param(rngs, constant(0.0), (D,), ("norm",), param_dtype, stack)
+        self.post_attention_layernorm = make_param(rngs, constant(0.0), (D,), ("norm",), param_dtype, stack)
+        if kind == FULL:
+            self.self_attn = GatedAttention(cfg, **kw)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg, **kw)
+        self.mlp = SwiGLU(cfg, **kw)
+
+    def __call__(self, x, ctx, layer_cache):
+        h = zero_centred_rms_norm(x, self.input_layernorm[...], self.eps)
+        if self.kind == FULL:
+            with jax.named_scope("gated_attention"):
+                h, new_cache = self.self_attn(
+                    h,
+                    ctx["cos"],
+                    ctx["sin"],
+                    ctx["segment_ids"],
+                    kv_cache=layer_cache,
+                    lengths_B=ctx["lengths"],
+                )
+        else:
+            with jax.named_scope("gated_deltanet"):
+                h, new_cache = self.linear_attn(h, ctx["segment_ids"], ctx["groups"], state=layer_cache)
+        x = x + h
+        h = zero_centred_rms_norm(x, self.post_attention_layernorm[...], self.eps)
+        with jax.named_scope("mlp"):
+            x = x + self.mlp(h)
+        return x, new_cache
+
+
+class PatternBlock(nnx.Module):
+    """The layers of one pattern period; every parameter has a leading ``layers`` axis of num_groups."""
+
+    def __init__(self, cfg: Qwen35Config, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.pattern = cfg.layer_pattern
+        self.layers = nnx.List(
+            [
+                DecoderLayer(cfg, kind, dtype=dtype, param_dtype=param_dtype, rngs=rngs, stack=cfg.num_groups)
+                for kind in self.pattern
+            ]
+        )
+
+    def __call__(self, x, ctx, caches):
+        """``caches``: (k, v, conv, recurrent) slices of one period (leading axis = layer within the
+        period, per kind) or None."""
+        fi = li = 0
+        new_k, new_v, new_conv, new_rec = [], [], [], []
+        for kind, layer in zip(self.pattern, self.layers):
+            if kind == FULL:
+                lc = None if caches is None else (caches[0][fi], caches[1][fi])
+                x, nc = layer(x, ctx, lc)
+                if nc is not None:
+                    new_k.append(nc[0])
+                    new_v.append(nc[1])
+                fi += 1
+            else:
+                lc = None if caches is None else (caches[2][li], caches[3][li])
+                x, nc = layer(x, ctx, lc)
+                if nc is not None:
+                    new_conv.append(nc[0])
+                    new_rec.append(nc[1])
+                li += 1
+        if caches is None:
+            return x, None
+
+        def stack(items, like):
+            return jnp.stack(items) if items else like
+
+        return x, (
+            stack(new_k, caches[0]),
+            stack(new_v, caches[1]),
+            stack(new_conv, caches[2]),
+            stack(new_rec, caches[3]),
+        )

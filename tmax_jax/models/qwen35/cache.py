@@ -1,0 +1,72 @@
+"""Decode cache for Qwen 3.5: KV for the full-attention layers, conv + recurrent state for Gated DeltaNet.
+
+Layer-stacked arrays (leading axis = the n-th layer of that kind, in model order) so that the scanned
+decoder reads one slice per layer; the batch (slot) axis is axis 1 of every per-layer array.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from tmax_jax.models.qwen35.config import Qwen35Config
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Qwen35Cache:
+    lengths: jax.Array  # int32 [B]: valid tokens so far per row
+    k: jax.Array  # [num_full_layers, B, max_len, num_kv_heads, head_dim] (cache dtype)
+    v: jax.Array  # [num_full_layers, B, max_len, num_kv_heads, head_dim] (cache dtype)
+    conv: jax.Array  # [num_linear_layers, B, conv_dim, K] (cache dtype): last K inputs of the conv
+    recurrent: jax.Array  # [num_linear_layers, B, Hv, dk, dv] float32
+
+    @classmethod
+    def create(cls, cfg: Qwen35Config, batch_size: int, max_len: int, dtype=jnp.bfloat16) -> Qwen35Cache:
+        La, Ll = cfg.num_full_layers, cfg.num_linear_layers
+        kv_shape = (La, batch_size, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        return cls(
+            lengths=jnp.zeros((batch_size,), jnp.int32),
+            k=jnp.zeros(kv_shape, dtype),
+            v=jnp.zeros(kv_shape, dtype),
+            conv=jnp.zeros((Ll, batch_size, cfg.conv_dim, cfg.linear_conv_kernel_dim), dtype),
+            recurrent=jnp.zeros(
+                (
+                    Ll,
+                    batch_size,
+                    cfg.linear_num_value_heads,
+                    cfg.linear_key_head_dim,
+                    cfg.linear_value_head_dim,
+                ),
+                jnp.float32,
+            ),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def replace(self, **changes) -> Qwen35Cache:
+        return dataclasses.replace(self, **changes)
+
+    def reset_rows(self, rows_B: jax.Array) -> Qwen35Cache:
+        """Empties the rows where ``rows_B`` is True (a slot handed to a new sequence); jit-able."""
+        keep = ~rows_B
+
+        def clear(x):
+            shape = (1, x.shape[1]) + (1,) * (x.ndim - 2)
+            return x * keep.reshape(shape).astype(x.dtype)
+
+        return Qwen35Cache(
+            lengths=jnp.where(keep, self.lengths, 0),
+            k=clear(self.k),
+            v=clear(self.v),
+            conv=clear(self.conv),
+            recurrent=clear(self.recurrent),
+        )

@@ -1,0 +1,298 @@
+"""Qwen 3.5 text-decoder config: a frozen dataclass with presets and HF config conversion."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from tmax_jax.errors import ConfigError
+
+LINEAR = "linear_attention"
+FULL = "full_attention"
+_LAYER_KINDS = (LINEAR, FULL)
+
+# HF model_types whose text decoder this config describes: the text CausalLM and the published VLM.
+TEXT_MODEL_TYPE = "qwen3_5_text"
+VLM_MODEL_TYPE = "qwen3_5"
+SUPPORTED_MODEL_TYPES = (TEXT_MODEL_TYPE, VLM_MODEL_TYPE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen35Config:
+    vocab_size: int = 248320
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 4
+    head_dim: int = 256
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    # Empty means "one full-attention layer every full_attention_interval", as transformers does.
+    layer_types: tuple[str, ...] = ()
+    full_attention_interval: int = 4
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    max_position_embeddings: int = 262144
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    initializer_range: float = 0.02
+    chunk_size: int = 64
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if not self.layer_types:
+            interval = self.full_attention_interval
+            kinds = tuple(LINEAR if (i + 1) % interval else FULL for i in range(self.num_hidden_layers))
+            object.__setattr__(self, "layer_types", kinds)
+        else:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        self.validate()
+
+    def validate(self) -> None:
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
+            )
+        bad = sorted({t for t in self.layer_types if t not in _LAYER_KINDS})
+        if bad:
+            raise ConfigError(
+                f"layer_types: unsupported layer type(s) {bad}; expected one of {list(_LAYER_KINDS)}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError(
+                f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
+                f"linear_num_key_heads={self.linear_num_key_heads}"
+            )
+        if self.hidden_act != "silu":
+            raise ConfigError(f"hidden_act={self.hidden_act!r} is not supported (only 'silu')")
+        if self.attention_bias:
+            raise ConfigError("attention_bias=True is not supported (Qwen 3.5 has no attention biases)")
+        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            raise ConfigError(
+                f"head_dim * partial_rotary_factor = {self.rotary_dim} must be even and <= head_dim={self.head_dim}"
+            )
+        _ = self.layer_pattern  # raises when layer_types is not periodic
+
+    # Derived sizes -------------------------------------------------------------------------------
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def lin_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def lin_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.lin_key_dim + self.lin_value_dim
+
+    @property
+    def layer_pattern(self) -> tuple[str, ...]:
+        """The shortest period of layer_types; layers are stacked and scanned one period at a time."""
+        n = self.num_hidden_layers
+        for p in range(1, n + 1):
+            if n % p == 0 and all(self.layer_types[i] == self.layer_types[i % p] for i in range(n)):
+                return self.layer_types[:p]
+        raise ConfigError(
+            f"layer_types is not periodic: {list(self.layer_types)}"
+        )  # unreachable: p=n matches
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_hidden_layers // len(self.layer_pattern)
+
+    @property
+    def num_full_layers(self) -> int:
+        return sum(t == FULL for t in self.layer_types)
+
+    @property
+    def num_linear_layers(self) -> int:
+        return sum(t == LINEAR for t in self.layer_types)
+
+    # Presets -------------------------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> Qwen35Config:
+        key = name.lower()
+        if key not in PRESETS:
+            raise ConfigError(f"unknown Qwen 3.5 preset {name!r}; known: {sorted(PRESETS)}")
+        return dataclasses.replace(PRESETS[key], **overrides)
+
+    # HF conversion -------------------------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, hf: Any) -> Qwen35Config:
+        """From a transformers config object or a config.json dict (text or VLM layout)."""
+        d = hf.to_dict() if hasattr(hf, "to_dict") else dict(hf)
+        model_type = d.get("model_type", TEXT_MODEL_TYPE)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"unsupported model_type {model_type!r}; tmax-jax loads {list(SUPPORTED_MODEL_TYPES)}"
+            )
+        tie = d.get("tie_word_embeddings")
+        if model_type == VLM_MODEL_TYPE:
+            text = d.get("text_config")
+            if not isinstance(text, Mapping):
+                raise ConfigError("model_type 'qwen3_5' config has no text_config mapping")
+            text = dict(text)
+            if "tie_word_embeddings" not in text and tie is not None:
+                text["tie_word_embeddings"] = tie
+            d = text
+        if d.get("num_experts") or d.get("num_experts_per_tok"):
+            raise ConfigError(
+                "Qwen 3.5 MoE configs (num_experts > 0) are not supported yet; dense models only"
+            )
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(f"rope_type {rope_type!r} is not supported (only 'default')")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in fields and v is not None}
+        if "layer_types" in kwargs:
+            kwargs["layer_types"] = tuple(kwargs["layer_types"])
+        kwargs["rope_theta"] = float(rope.get("rope_theta", d.get("rope_theta", cls.rope_theta)))
+        kwargs["partial_rotary_factor"] = float(
+            rope.get("partial_rotary_factor", d.get("partial_rotary_factor", cls.partial_rotary_factor))
+        )
+        for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+            if isinstance(kwargs.get(key), list):
+                kwargs[key] = kwargs[key][0] if kwargs[key] else None
+        kwargs.pop("chunk_size", None)
+        return cls(**kwargs)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """A config.json dict for transformers' Qwen3_5ForCausalLM (text layout)."""
+        return {
+            "architectures": ["Qwen3_5ForCausalLM"],
+            "model_type": TEXT_MODEL_TYPE,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
+            "linear_key_head_dim": self.linear_key_head_dim,
+            "linear_value_head_dim": self.linear_value_head_dim,
+            "linear_num_key_heads": self.linear_num_key_heads,
+            "linear_num_value_heads": self.linear_num_value_heads,
+            "layer_types": list(self.layer_types),
+            "full_attention_interval": self.full_attention_interval,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": self.rope_theta,
+                "partial_rotary_factor": self.partial_rotary_factor,
+            },
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "hidden_act": self.hidden_act,
+            "initializer_range": self.initializer_range,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "use_cache": True,
+        }
+
+
+def _dense(**kw: Any) -> Qwen35Config:
+    base = dict(vocab_size=248320, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128)
+    base.update(kw)
+    return Qwen35Config(**base)
+
+
+# Published dense shapes (Qwen/Qwen3.5-*), text decoder only.
+PRESETS: dict[str, Qwen35Config] = {
+    "0.8b": _dense(
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        tie_word_embeddings=True,
+        eos_token_id=248044,
+    ),
+    "2b": _dense(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        tie_word_embeddings=True,
+        eos_token_id=248044,
+    ),
+    "4b": _dense(
+        hidden_size=2560,
+        intermediate_size=9216,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        tie_word_embeddings=True,
+        eos_token_id=248044,
+    ),
+    "9b": _dense(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        tie_word_embeddings=False,
+        eos_token_id=248044,
+    ),
+    "27b": _dense(
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        linear_num_key_heads=16,
+        linear_num_value_heads=48,
+        tie_word_embeddings=False,
+        eos_token_id=248044,
+    ),
+    # A few seconds to compile on a laptop CPU; same structure as the real ones (3 linear + 1 full).
+    "tiny": Qwen35Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        rope_theta=10_000.0,
+    ),
+}

@@ -1,0 +1,152 @@
+"""Qwen 3.5 text decoder for causal LM, pure JAX/nnx, with a float32 LM head.
+
+Layers of one ``layer_pattern`` period are stacked along a leading ``layers`` axis and run with
+``jax.lax.scan``, so compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tmax_jax.errors import ConfigError
+from tmax_jax.models.qwen35.block import PatternBlock
+from tmax_jax.models.qwen35.cache import Qwen35Cache
+from tmax_jax.models.qwen35.config import Qwen35Config
+from tmax_jax.models.qwen35.norms import zero_centred_rms_norm
+from tmax_jax.models.qwen35.params import constant, make_param, normal
+from tmax_jax.models.qwen35.rope import rope_cos_sin
+
+f32 = jnp.float32
+_REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+}
+
+
+def packed_positions_and_groups(segment_ids_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-segment positions (restarting at each packed segment) and the segment-start count.
+
+    A segment starts where the id changes to a positive one; pads (id 0) keep the count of the
+    segment before them, so they join its recurrence as no-ops.
+    """
+    B, T = segment_ids_BxT.shape
+    prev = jnp.pad(segment_ids_BxT, ((0, 0), (1, 0)), constant_values=-1)[:, :T]
+    starts_BxT = (segment_ids_BxT > 0) & (segment_ids_BxT != prev)
+    idx = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    start_idx = jax.lax.cummax(jnp.where(starts_BxT, idx, 0), axis=1)
+    groups_BxT = jnp.cumsum(starts_BxT.astype(jnp.int32), axis=1)
+    return idx - start_idx, groups_BxT
+
+
+class Qwen35ForCausalLM(nnx.Module):
+    def __init__(
+        self,
+        cfg: Qwen35Config,
+        *,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+        remat: str = "none",
+    ):
+        if remat not in _REMAT_POLICIES:
+            raise ConfigError(f"remat={remat!r}; expected one of {list(_REMAT_POLICIES)}")
+        self.config = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.param_dtype = jnp.dtype(param_dtype)
+        self.remat = remat
+        V, D = cfg.vocab_size, cfg.hidden_size
+        self.embed_tokens = make_param(
+            rngs, normal(cfg.initializer_range), (V, D), ("vocab", "embed"), param_dtype, None
+        )
+        self.blocks = PatternBlock(cfg, dtype=self.dtype, param_dtype=param_dtype, rngs=rngs)
+        self.norm = make_param(rngs, constant(0.0), (D,), ("norm",), param_dtype, None)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = make_param(
+                rngs, normal(cfg.initializer_range), (D, V), ("embed", "vocab"), param_dtype, None
+            )
+
+    # ---------------------------------------------------------------------------------------------
+    def init_cache(self, batch_size: int, max_len: int, dtype=None) -> Qwen35Cache:
+        return Qwen35Cache.create(self.config, batch_size, max_len, self.dtype if dtype is None else dtype)
+
+    def lm_head_weight(self) -> jax.Array:
+        """``[D, V]`` (the embedding transposed when tied), in the parameter dtype."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens[...].T
+        return self.lm_head[...]
+
+    def __call__(self, input_ids, *, positions=None, segment_ids=None, cache: Qwen35Cache | None = None):
+        out = self.hidden_states(input_ids, positions=positions, segment_ids=segment_ids, cache=cache)
+        hidden_BxTxD, new_cache = out if cache is not None else (out, None)
+        # The LM head always runs in float32: sampling and RL log-probs are sensitive to its rounding.
+        logits_BxTxV = jnp.einsum(
+            "btd,dv->btv",
+            hidden_BxTxD.astype(f32),
+            self.lm_head_weight().astype(f32),
+            precision=jax.lax.Precision.HIGHEST,
+            preferred_element_type=f32,
+        )
+        return logits_BxTxV if cache is None else (logits_BxTxV, new_cache)
+
+    def hidden_states(self, input_ids, *, positions=None, segment_ids=None, cache: Qwen35Cache | None = None):
+        cfg = self.config
+        input_ids = jnp.asarray(input_ids)
+        if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
+            raise ValueError(
+                f"input_ids must be an integer array [B, T], got {input_ids.dtype}{input_ids.shape}"
+            )
+        B, T = input_ids.shape
+        if segment_ids is None:
+            segment_ids = jnp.ones((B, T), jnp.int32)
+        segment_ids = jnp.asarray(segment_ids).astype(jnp.int32)
+        if segment_ids.shape != (B, T):
+            raise ValueError(f"segment_ids shape {segment_ids.shape} != input_ids shape {(B, T)}")
+        if cache is not None and cache.batch_size != B:
+            raise ValueError(f"cache batch size {cache.batch_size} != input batch size {B}")
+
+        if cache is None:
+            default_pos, groups = packed_positions_and_groups(segment_ids)
+            lengths = None
+        else:
+            groups = None  # with a cache every row is one sequence continuing its cached state
+            lengths = cache.lengths
+            default_pos = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+        positions = default_pos if positions is None else jnp.asarray(positions).astype(jnp.int32)
+        if positions.shape != (B, T):
+            raise ValueError(f"positions shape {positions.shape} != input_ids shape {(B, T)}")
+
+        x_BxTxD = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)
+        cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
+        ctx = dict(cos=cos, sin=sin, segment_ids=segment_ids, groups=groups, lengths=lengths)
+
+        graphdef, block_state = nnx.split(self.blocks)
+
+        def period(x, xs):
+            state, caches = xs
+            block = nnx.merge(graphdef, state)
+            return block(x, ctx, caches)
+
+        policy = _REMAT_POLICIES[self.remat]
+        if self.remat != "none":
+            period = jax.checkpoint(period, policy=policy, prevent_cse=False)
+
+        G = cfg.num_groups
+        if cache is None:
+            x_BxTxD, _ = jax.lax.scan(lambda x, s: (period(x, (s, None))[0], None), x_BxTxD, block_state)
+            new_cache = None
+        else:
+
+            def per_period(a):  # [layers_of_kind, ...] -> [G, per_period, ...]
+                return a.reshape(G, a.shape[0] // G, *a.shape[1:])
+
+            caches = tuple(per_period(a) for a in (cache.k, cache.v, cache.conv, cache.recurrent))
+            x_BxTxD, new = jax.lax.scan(period, x_BxTxD, (block_state, caches))
+            k, v, conv, rec = (a.reshape(-1, *a.shape[2:]) for a in new)
+            n_new = (segment_ids > 0).sum(-1).astype(cache.lengths.dtype)
+            new_cache = Qwen35Cache(lengths=cache.lengths + n_new, k=k, v=v, conv=conv, recurrent=rec)
+
+        hidden_BxTxD = zero_centred_rms_norm(x_BxTxD, self.norm[...], cfg.rms_norm_eps)
+        return hidden_BxTxD if cache is None else (hidden_BxTxD, new_cache)
