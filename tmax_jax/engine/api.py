@@ -1,0 +1,102 @@
+"""``generate(model, prompts, ...)``: batch generation through the engine in one call."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tmax_jax.engine.engine import Engine, _next_pow2
+from tmax_jax.engine.orchestrator import Completion, Orchestrator, Request
+from tmax_jax.engine.sampling import SamplingParams
+from tmax_jax.errors import ConfigError
+
+# One engine per (model, shape) so repeated calls reuse compiled steps; weights are re-read each call.
+_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def model_eos_ids(model: Any) -> tuple[int, ...]:
+    """eos token ids from the model's config (``config`` or ``cfg``), as a tuple (may be empty)."""
+    for name in ("config", "cfg"):
+        cfg = getattr(model, name, None)
+        eos = getattr(cfg, "eos_token_id", None)
+        if eos is not None:
+            return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    return ()
+
+
+def request_seed(seed: int, index: int) -> int:
+    """A distinct 31-bit seed for prompt ``index`` of a call with ``seed``."""
+    return int(np.random.SeedSequence([seed & 0xFFFFFFFF, index]).generate_state(1)[0] >> 1)
+
+
+def _engine_for(model: Any, slots: int, max_len: int, max_prefill: int, cache_dtype: Any) -> Engine:
+    per_model = _ENGINES.setdefault(model, {})
+    key = (slots, max_len, max_prefill, jnp.dtype(cache_dtype).name)
+    engine = per_model.get(key)
+    if engine is None:
+        engine = Engine(
+            model,
+            max_concurrent_decodes=slots,
+            max_cache_length=max_len,
+            max_prefill_length=max_prefill,
+            cache_dtype=cache_dtype,
+        )
+        per_model[key] = engine
+    else:
+        engine.update_params(nnx.state(model))
+    return engine
+
+
+def generate(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_token_id: int | Sequence[int] | None = None,
+    max_concurrent: int = 32,
+    cache_dtype: Any = jnp.float32,
+) -> list[Completion]:
+    """Generate for every prompt (token id lists) with continuous batching.
+
+    Each output has ``tokens`` (ending with eos, included, or after ``max_new_tokens``) and
+    ``logprobs`` (float32 log-softmax(logits / T) of each token; plain logits when T == 0).
+    ``eos_token_id`` defaults to the model config's. Prompt ``i`` samples with its own key derived
+    from ``(seed, i)``, so results do not depend on batching.
+    """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    prompts = [list(p) for p in prompts]
+    if not prompts:
+        return []
+    if any(len(p) == 0 for p in prompts):
+        raise ConfigError("generate: every prompt needs at least one token")
+    eos = model_eos_ids(model) if eos_token_id is None else eos_token_id
+    eos = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    longest = max(len(p) for p in prompts)
+    # Round shapes up so calls with similar sizes share one engine (and its compiled steps).
+    max_len = max(64, _next_pow2(longest + max_new_tokens + 1))
+    max_prefill = min(512, max(16, _next_pow2(longest)))
+    slots = min(_next_pow2(len(prompts)), _next_pow2(max_concurrent))
+    engine = _engine_for(model, slots, max_len, max_prefill, cache_dtype)
+    requests = [
+        Request(
+            prompt=p,
+            max_tokens=max_new_tokens,
+            sampling=SamplingParams(
+                temperature=temperature, top_k=top_k, top_p=top_p, seed=request_seed(seed, i)
+            ),
+            stop_token_ids=eos,
+        )
+        for i, p in enumerate(prompts)
+    ]
+    with Orchestrator(engine) as orch:
+        return orch.generate(requests)

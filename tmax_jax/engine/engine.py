@@ -1,0 +1,507 @@
+"""The rollout engine: JetStream's Engine interface for the Qwen 3.5 model in tmax_jax.models.
+
+Decode state holds ``max_concurrent_decodes`` slots: the model's cache batched over slots (KV cache
+for attention layers, conv and float32 recurrent state for Gated DeltaNet layers, per-slot lengths)
+plus each slot's pending token, PRNG key and sampling settings. ``prefill`` runs one request (batch
+1) on a power-of-two bucket of its length, ``insert`` copies that request's state into a slot, and
+``generate`` is a single jitted step over all slots. Parameters are an argument of every jitted
+function, so :meth:`Engine.update_params` swaps weights without recompiling.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from tmax_jax.engine import sampling
+from tmax_jax.engine.engine_api import EngineAPI, ResultTokens
+from tmax_jax.engine.sampling import SamplingParams
+from tmax_jax.errors import ConfigError, TmaxError
+
+# Columns of ResultTokens.data.
+_TOKENS, _VALID, _LENGTHS = (0, 1), (1, 2), (2, 3)
+
+
+@struct.dataclass
+class Prefix:
+    """One prefilled request: its cache (batch 1) and first sampled token, not yet in the cache."""
+
+    cache: Any
+    token: jax.Array  # int32 [1]
+    log_prob: jax.Array  # float32 [1]
+    key: jax.Array  # PRNG key [1]: the request's base key
+    temperature: jax.Array  # float32 [1]
+    top_k: jax.Array  # int32 [1]
+    top_p: jax.Array  # float32 [1]
+    max_tokens: jax.Array  # int32 [1]
+    stop_ids: jax.Array  # int32 [1, max_stop_tokens], -1 = unused
+    # Host-side: tokens held in ``cache`` (prompt so far). Not traced.
+    length: int = struct.field(pytree_node=False, default=0)
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything a generate step transforms, batched over slots."""
+
+    cache: Any
+    tokens: jax.Array  # int32 [S]: the token each slot feeds next (its last sampled one)
+    generated: jax.Array  # int32 [S]: tokens generated so far
+    active: jax.Array  # bool [S]
+    key: jax.Array  # PRNG key [S]
+    temperature: jax.Array  # float32 [S]
+    top_k: jax.Array  # int32 [S]
+    top_p: jax.Array  # float32 [S]
+    max_tokens: jax.Array  # int32 [S]
+    stop_ids: jax.Array  # int32 [S, max_stop_tokens]
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n - 1).bit_length())
+
+
+def _batch_axes(model: Any, max_len: int, dtype: Any) -> list[int]:
+    """For each cache leaf, the axis that indexes batch rows (found from two abstract caches)."""
+    a = jax.tree.leaves(jax.eval_shape(lambda: model.init_cache(2, max_len, dtype=dtype)))
+    b = jax.tree.leaves(jax.eval_shape(lambda: model.init_cache(3, max_len, dtype=dtype)))
+    axes = []
+    for x, y in zip(a, b):
+        diff = [i for i, (p, q) in enumerate(zip(x.shape, y.shape)) if p != q]
+        if len(diff) != 1 or x.shape[diff[0]] != 2:
+            raise TmaxError(f"cannot find the batch axis of a cache leaf with shapes {x.shape} / {y.shape}")
+        axes.append(diff[0])
+    return axes
+
+
+class Engine(EngineAPI):
+    """Continuous-batching decode engine over a :class:`Qwen35ForCausalLM` (any model with its cache API).
+
+    Args:
+      model: the flax nnx model; its parameters become the engine's (``update_params`` swaps them).
+      max_concurrent_decodes: decode slots.
+      max_cache_length: tokens per slot (prompt + generation); static, part of every compile.
+      max_prefill_length: longest single prefill; longer prompts are prefilled in chunks.
+      cache_dtype: dtype of KV/conv caches (DeltaNet recurrent state is float32 regardless).
+      eos_token_ids: tokens that end a request unless a request gives its own stop tokens.
+      tokenizer: returned by ``get_tokenizer`` (the orchestrator uses it for stop strings).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        max_concurrent_decodes: int = 8,
+        max_cache_length: int = 1024,
+        max_prefill_length: int = 512,
+        min_prefill_bucket: int = 16,
+        cache_dtype: Any = jnp.float32,
+        eos_token_ids: Sequence[int] = (),
+        default_sampling: SamplingParams = SamplingParams(temperature=0.0),
+        max_stop_tokens: int = 8,
+        tokenizer: Any = None,
+        mesh: jax.sharding.Mesh | None = None,
+    ):
+        for name, v in [
+            ("max_concurrent_decodes", max_concurrent_decodes),
+            ("max_cache_length", max_cache_length),
+            ("max_prefill_length", max_prefill_length),
+            ("min_prefill_bucket", min_prefill_bucket),
+            ("max_stop_tokens", max_stop_tokens),
+        ]:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"Engine: {name} must be a positive integer, got {v!r}")
+        if max_prefill_length > max_cache_length:
+            raise ConfigError(
+                f"Engine: max_prefill_length ({max_prefill_length}) exceeds max_cache_length ({max_cache_length})"
+            )
+        if len(eos_token_ids) > max_stop_tokens:
+            raise ConfigError(
+                f"Engine: {len(eos_token_ids)} eos tokens but max_stop_tokens={max_stop_tokens}"
+            )
+        self._graphdef, state = nnx.split(model)
+        self._params = state
+        self._version = 0
+        self._lock = threading.Lock()
+        self._slots = max_concurrent_decodes
+        self._max_len = max_cache_length
+        self._max_prefill = max_prefill_length
+        self._min_bucket = min(_next_pow2(min_prefill_bucket), max_prefill_length)
+        self._cache_dtype = cache_dtype
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.default_sampling = default_sampling
+        self._max_stop = max_stop_tokens
+        self._tokenizer = tokenizer
+        self._mesh = mesh
+        self._axes = _batch_axes(model, max_cache_length, cache_dtype)
+        self._cache_treedef = jax.tree.structure(
+            jax.eval_shape(lambda: model.init_cache(1, max_cache_length, dtype=cache_dtype))
+        )
+        self.vocab_size = int(jax.eval_shape(model.lm_head_weight).shape[-1])
+        # Trace counts per jitted function: a retrace is a recompile, so tests can assert none happen.
+        self.trace_counts: collections.Counter[str] = collections.Counter()
+        self._empty_prefix_cache = None
+        self._prefill_jit = jax.jit(self._prefill_impl)
+        self._generate_jit = jax.jit(self._generate_impl, donate_argnums=(1,))
+        self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(1,))
+        self._extract_jit = jax.jit(self._extract_impl)
+        self._deactivate_jit = jax.jit(self._deactivate_impl, donate_argnums=(0,))
+
+    # ----------------------------------------------------------------- properties (JetStream API)
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self._slots
+
+    @property
+    def samples_per_slot(self) -> int:
+        return 1
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self._max_prefill
+
+    @property
+    def max_cache_length(self) -> int:
+        return self._max_len
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        if self._mesh is None:
+            leaf = jax.tree.leaves(self._params)[0]
+            sharding = getattr(leaf, "sharding", None)
+            if isinstance(sharding, jax.sharding.NamedSharding):
+                self._mesh = sharding.mesh
+            else:
+                device = next(iter(leaf.devices())) if hasattr(leaf, "devices") else jax.devices()[0]
+                self._mesh = jax.sharding.Mesh(np.array([device]), ("data",))
+        return self._mesh
+
+    @property
+    def params(self) -> Any:
+        return self._params
+
+    @property
+    def version(self) -> int:
+        """Policy version: 0 at construction, +1 per ``update_params``."""
+        return self._version
+
+    def current_params(self) -> tuple[Any, int]:
+        with self._lock:
+            return self._params, self._version
+
+    # ----------------------------------------------------------------- weights
+    def load_params(self, *args, **kwargs) -> Any:
+        return self._params
+
+    def update_params(self, new_params: Any, version: int | None = None) -> int:
+        """Swap in new weights (an nnx model or its ``nnx.state``) of identical structure and shapes.
+
+        The jitted prefill/generate take parameters as arguments, so this never recompiles. Returns
+        the new policy version (``version`` if given, else the previous one + 1).
+        """
+        if isinstance(new_params, nnx.Module):
+            new_params = nnx.state(new_params)
+        old_leaves, old_def = jax.tree.flatten(self._params)
+        new_leaves, new_def = jax.tree.flatten(new_params)
+        if old_def != new_def:
+            raise ConfigError(
+                "update_params: new parameters have a different tree structure than the engine's"
+            )
+        for path_leaf, a, b in zip(
+            jax.tree_util.tree_flatten_with_path(self._params)[0], old_leaves, new_leaves
+        ):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                raise ConfigError(
+                    f"update_params: {jax.tree_util.keystr(path_leaf[0])} is {b.shape} {b.dtype}, "
+                    f"expected {a.shape} {a.dtype}"
+                )
+        with self._lock:
+            self._params = new_params
+            self._version = self._version + 1 if version is None else int(version)
+            return self._version
+
+    # ----------------------------------------------------------------- tokenizer (JetStream API)
+    def get_tokenizer(self) -> Any:
+        return self._tokenizer
+
+    def build_tokenizer(self, metadata: Any) -> Any:
+        return metadata
+
+    def get_prefix_destination_sharding(self) -> Any:
+        return None
+
+    # ----------------------------------------------------------------- state
+    def _init_cache(self, batch: int):
+        model = nnx.merge(self._graphdef, self._params)
+        # Built under jit so every leaf is its own buffer (donation rejects aliased zeros).
+        return jax.jit(lambda: model.init_cache(batch, self._max_len, dtype=self._cache_dtype))()
+
+    def init_decode_state(self, *args, **kwargs) -> DecodeState:
+        return jax.jit(self._init_decode_state_impl)()
+
+    def _init_decode_state_impl(self) -> DecodeState:
+        s = self._slots
+        model = nnx.merge(self._graphdef, self._params)
+        return DecodeState(
+            cache=model.init_cache(s, self._max_len, dtype=self._cache_dtype),
+            tokens=jnp.zeros((s,), jnp.int32),
+            generated=jnp.zeros((s,), jnp.int32),
+            active=jnp.zeros((s,), bool),
+            key=jax.random.split(jax.random.key(0), s),
+            temperature=jnp.zeros((s,), jnp.float32),
+            top_k=jnp.zeros((s,), jnp.int32),
+            top_p=jnp.ones((s,), jnp.float32),
+            max_tokens=jnp.ones((s,), jnp.int32),
+            stop_ids=jnp.full((s, self._max_stop), -1, jnp.int32),
+        )
+
+    def _logits(self, model: Any, hidden_NxD: jax.Array) -> jax.Array:
+        # Same float32 head the trainer applies to hidden_states(): logits == hidden @ W in f32.
+        w_DxV = model.lm_head_weight().astype(jnp.float32)
+        return jnp.einsum(
+            "nd,dv->nv", hidden_NxD.astype(jnp.float32), w_DxV, precision=jax.lax.Precision.HIGHEST
+        )
+
+    # ----------------------------------------------------------------- prefill
+    def _prefill_impl(self, params, cache, tokens_1xT, true_length, key_1, temperature_1, top_k_1, top_p_1):
+        self.trace_counts[f"prefill_{tokens_1xT.shape[1]}"] += 1
+        model = nnx.merge(self._graphdef, params)
+        t = tokens_1xT.shape[1]
+        segment_1xT = (jnp.arange(t)[None, :] < true_length).astype(jnp.int32)
+        hidden_1xTxD, cache = model.hidden_states(tokens_1xT, segment_ids=segment_1xT, cache=cache)
+        last_1xD = jax.lax.dynamic_index_in_dim(hidden_1xTxD[0], true_length - 1, axis=0, keepdims=True)
+        logits_1xV = self._logits(model, last_1xD)
+        keys_1 = sampling.step_keys(key_1, jnp.zeros((1,), jnp.int32))
+        token_1, logprob_1 = sampling.sample(logits_1xV, keys_1, temperature_1, top_k_1, top_p_1)
+        return cache, token_1, logprob_1
+
+    def bucket(self, n: int) -> int:
+        """Padded length used for a prefill of ``n`` tokens."""
+        return min(max(_next_pow2(n), self._min_bucket), self._max_prefill)
+
+    def _stop_array(self, stop_token_ids: Sequence[int] | None) -> np.ndarray:
+        ids = self.eos_token_ids if stop_token_ids is None else tuple(int(t) for t in stop_token_ids)
+        if len(ids) > self._max_stop:
+            raise ConfigError(
+                f"{len(ids)} stop tokens given, the engine allows max_stop_tokens={self._max_stop}"
+            )
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ConfigError(f"stop token ids {bad} are outside the vocabulary [0, {self.vocab_size})")
+        out = np.full((1, self._max_stop), -1, np.int32)
+        out[0, : len(ids)] = ids
+        return out
+
+    def prefill(
+        self,
+        *,
+        params: Any,
+        existing_prefix: Prefix | None = None,
+        padded_tokens: jax.Array,
+        true_length: int,
+        sampler: Any | None = None,
+        sampling_params: SamplingParams | None = None,
+        max_tokens: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> tuple[Prefix, ResultTokens]:
+        """Prefill ``padded_tokens[:true_length]`` (1-D or [1, T]) on top of ``existing_prefix``.
+
+        ``sampling_params``/``max_tokens``/``stop_token_ids`` are tmax-jax extensions (JetStream's
+        orchestrator leaves them out and gets the engine defaults). The first token is sampled here
+        with the request's key at step 0.
+        """
+        if sampler is not None:
+            raise ConfigError("Engine.prefill: custom samplers are not supported; pass sampling_params")
+        tokens = np.asarray(padded_tokens)
+        if tokens.ndim == 2 and tokens.shape[0] == 1:
+            tokens = tokens[0]
+        if tokens.ndim != 1:
+            raise ConfigError(
+                f"prefill: padded_tokens must be 1-D or [1, T], got shape {np.shape(padded_tokens)}"
+            )
+        true_length = int(true_length)
+        if not 1 <= true_length <= tokens.shape[0]:
+            raise ConfigError(f"prefill: true_length={true_length} outside [1, {tokens.shape[0]}]")
+        if np.any(tokens[:true_length] < 0) or np.any(tokens[:true_length] >= self.vocab_size):
+            raise ConfigError(f"prefill: token ids must lie in [0, {self.vocab_size})")
+        base = 0 if existing_prefix is None else existing_prefix.length
+        if base + true_length >= self._max_len:
+            raise ConfigError(
+                f"prefill: {base} cached + {true_length} new tokens leave no room to generate in "
+                f"max_cache_length={self._max_len}"
+            )
+        sp = sampling_params or self.default_sampling
+        if max_tokens is not None and (
+            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+        ):
+            raise ConfigError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        max_tokens = self._max_len if max_tokens is None else max_tokens
+        stop = self._stop_array(stop_token_ids)
+        key_1 = sampling.request_key(sp.seed)[None]
+        temperature_1 = jnp.full((1,), sp.temperature, jnp.float32)
+        top_k_1 = jnp.full((1,), sp.top_k, jnp.int32)
+        top_p_1 = jnp.full((1,), sp.top_p, jnp.float32)
+        if existing_prefix is None:
+            if self._empty_prefix_cache is None:
+                self._empty_prefix_cache = self._init_cache(1)
+            cache = self._empty_prefix_cache
+        else:
+            cache = existing_prefix.cache
+        # Chunk long inputs; each chunk runs on its own power-of-two bucket.
+        start = 0
+        while start < true_length:
+            n = min(true_length - start, self._max_prefill)
+            width = self.bucket(n)
+            chunk = np.zeros((1, width), np.int32)
+            chunk[0, :n] = tokens[start : start + n]
+            cache, token_1, logprob_1 = self._prefill_jit(
+                params, cache, jnp.asarray(chunk), jnp.int32(n), key_1, temperature_1, top_k_1, top_p_1
+            )
+            start += n
+        prefix = Prefix(
+            cache=cache,
+            token=token_1,
+            log_prob=logprob_1,
+            key=key_1,
+            temperature=temperature_1,
+            top_k=top_k_1,
+            top_p=top_p_1,
+            max_tokens=jnp.full((1,), max_tokens, jnp.int32),
+            stop_ids=jnp.asarray(stop),
+            length=base + true_length,
+        )
+        data = jnp.stack([token_1, jnp.ones((1,), jnp.int32), jnp.ones((1,), jnp.int32)], axis=-1)
+        result = ResultTokens(data, _TOKENS, _VALID, _LENGTHS, 1, log_prob=logprob_1[:, None])
+        return prefix, result
+
+    # ----------------------------------------------------------------- insert / extract
+    def _set_row(self, big, small, slot):
+        leaves, treedef = jax.tree.flatten(big)
+        rows = jax.tree.leaves(small)
+        out = [
+            jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, axis=a)
+            for x, r, a in zip(leaves, rows, self._axes)
+        ]
+        return jax.tree.unflatten(treedef, out)
+
+    def _insert_impl(self, prefix: Prefix, state: DecodeState, slot):
+        self.trace_counts["insert"] += 1
+        cache = self._set_row(state.cache, prefix.cache, slot)
+        lengths = jax.tree.leaves(prefix.cache.lengths)[0] if hasattr(prefix.cache, "lengths") else None
+        token = prefix.token[0]
+        stop = jnp.any(prefix.stop_ids[0] == token)
+        room = True if lengths is None else lengths[0] < self._max_len
+        active = (~stop) & (prefix.max_tokens[0] > 1) & room
+
+        def put(arr, value):
+            return jax.lax.dynamic_update_index_in_dim(arr, jnp.asarray(value, arr.dtype), slot, axis=0)
+
+        return DecodeState(
+            cache=cache,
+            tokens=put(state.tokens, token),
+            generated=put(state.generated, 1),
+            active=put(state.active, active),
+            key=put(state.key, prefix.key[0]),
+            temperature=put(state.temperature, prefix.temperature[0]),
+            top_k=put(state.top_k, prefix.top_k[0]),
+            top_p=put(state.top_p, prefix.top_p[0]),
+            max_tokens=put(state.max_tokens, prefix.max_tokens[0]),
+            stop_ids=put(state.stop_ids, prefix.stop_ids[0]),
+        )
+
+    def _check_slot(self, slot: int) -> None:
+        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or not 0 <= slot < self._slots:
+            raise ConfigError(f"slot must be an integer in [0, {self._slots}), got {slot!r}")
+
+    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
+        self._check_slot(slot)
+        return self._insert_jit(prefix.replace(length=0), decode_state, jnp.int32(slot))
+
+    def bulk_insert(self, prefix: Prefix, decode_state: DecodeState, slots: list[int]) -> DecodeState:
+        for slot in slots:
+            decode_state = self.insert(prefix, decode_state, slot)
+        return decode_state
+
+    def _extract_impl(self, state: DecodeState, slot):
+        self.trace_counts["extract"] += 1
+        leaves, treedef = jax.tree.flatten(state.cache)
+        rows = [jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=a) for x, a in zip(leaves, self._axes)]
+
+        def row(arr):
+            return jax.lax.dynamic_slice_in_dim(arr, slot, 1, axis=0)
+
+        return Prefix(
+            cache=jax.tree.unflatten(treedef, rows),
+            token=row(state.tokens),
+            log_prob=jnp.zeros((1,), jnp.float32),
+            key=row(state.key),
+            temperature=row(state.temperature),
+            top_k=row(state.top_k),
+            top_p=row(state.top_p),
+            max_tokens=row(state.max_tokens),
+            stop_ids=row(state.stop_ids),
+        )
+
+    def extract_prefix(self, decode_state: DecodeState, slot: int, length: int) -> Prefix:
+        """The state of ``slot`` as a Prefix (for the next turn of a session): ``length`` tokens cached.
+
+        The slot's last sampled token is *not* in the cache; the next turn feeds it with its new tokens.
+        """
+        self._check_slot(slot)
+        return self._extract_jit(decode_state, jnp.int32(slot)).replace(length=int(length))
+
+    def _deactivate_impl(self, state: DecodeState, slot):
+        return state.replace(
+            active=jax.lax.dynamic_update_index_in_dim(state.active, jnp.asarray(False), slot, axis=0)
+        )
+
+    def free_resource(self, slot: int) -> Any:
+        return None
+
+    def deactivate(self, decode_state: DecodeState, slot: int) -> DecodeState:
+        """Stop decoding ``slot`` (cancelled, or ended by a stop string found on the host)."""
+        self._check_slot(slot)
+        return self._deactivate_jit(decode_state, jnp.int32(slot))
+
+    # ----------------------------------------------------------------- generate
+    def _generate_impl(self, params, state: DecodeState):
+        self.trace_counts["generate"] += 1
+        model = nnx.merge(self._graphdef, params)
+        active_S = state.active
+        hidden_Sx1xD, cache = model.hidden_states(
+            state.tokens[:, None], segment_ids=active_S[:, None].astype(jnp.int32), cache=state.cache
+        )
+        logits_SxV = self._logits(model, hidden_Sx1xD[:, 0])
+        keys_S = sampling.step_keys(state.key, state.generated)
+        tokens_S, logprobs_S = sampling.sample(
+            logits_SxV, keys_S, state.temperature, state.top_k, state.top_p
+        )
+        generated_S = state.generated + active_S.astype(jnp.int32)
+        stopped_S = jnp.any(state.stop_ids == tokens_S[:, None], axis=-1)
+        # The new token must be fed next step; a full cache has nowhere to put it.
+        full_S = cache.lengths >= self._max_len
+        done_S = stopped_S | (generated_S >= state.max_tokens) | full_S
+        out_tokens_S = jnp.where(active_S, tokens_S, 0)
+        data_Sx3 = jnp.stack([out_tokens_S, active_S.astype(jnp.int32), generated_S], axis=-1)
+        result = ResultTokens(
+            data_Sx3, _TOKENS, _VALID, _LENGTHS, 1, log_prob=jnp.where(active_S, logprobs_S, 0.0)[:, None]
+        )
+        new_state = state.replace(
+            cache=cache,
+            tokens=jnp.where(active_S, tokens_S, state.tokens),
+            generated=generated_S,
+            active=active_S & ~done_S,
+        )
+        return new_state, result
+
+    def generate(
+        self, params: Any, decode_state: DecodeState, sampler: Any | None = None
+    ) -> tuple[DecodeState, ResultTokens]:
+        if sampler is not None:
+            raise ConfigError("Engine.generate: custom samplers are not supported")
+        return self._generate_jit(params, decode_state)
