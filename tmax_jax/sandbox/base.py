@@ -170,8 +170,13 @@ class Sandbox(abc.ABC):
         return sh
 
     # ---- files -----------------------------------------------------------------------------------
-    def upload(self, local_path: str | os.PathLike, remote_path: str, timeout: float = 120.0) -> None:
-        """Copy a host file or directory to ``remote_path`` inside (parents created, replaced if present)."""
+    def upload(
+        self, local_path: str | os.PathLike, remote_path: str, timeout: float = 120.0, replace: bool = True
+    ) -> None:
+        """Copy a host file or directory to ``remote_path`` inside (parents created).
+
+        ``replace``: remove what is at ``remote_path`` first (else a directory is merged into it).
+        """
         local = Path(local_path)
         if not local.exists():
             raise SandboxError(f"upload: local path does not exist: {local}")
@@ -179,7 +184,7 @@ class Sandbox(abc.ABC):
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:
             tar.add(str(local), arcname=remote.name)
-        self._untar(buf.getvalue(), str(remote.parent), remote.name, timeout)
+        self._untar(buf.getvalue(), str(remote.parent), remote.name, timeout, replace)
 
     def write_file(
         self, remote_path: str, data: str | bytes, mode: int = 0o644, timeout: float = 60.0
@@ -193,9 +198,16 @@ class Sandbox(abc.ABC):
             tar.addfile(info, io.BytesIO(raw))
         self._untar(buf.getvalue(), str(remote.parent), remote.name, timeout)
 
-    def _untar(self, blob: bytes, parent: str, name: str, timeout: float) -> None:
+    def _untar(self, blob: bytes, parent: str, name: str, timeout: float, replace: bool = True) -> None:
         q = shlex.quote
-        script = f"mkdir -p {q(parent)} && rm -rf {q(parent + '/' + name)} && tar -x -o -C {q(parent)}"
+        target = q(parent.rstrip("/") + "/" + name)
+        # A writable path is a mount point: empty it rather than removing it.
+        rm = (
+            f"{{ if [ -d {target} ] && [ ! -L {target} ]; then find {target} -mindepth 1 -delete; else rm -rf {target}; fi; }} && "
+            if replace
+            else ""
+        )
+        script = f"mkdir -p {q(parent)} && {rm}tar -x -o -C {q(parent)}"
         got = self._run(
             ["/bin/bash", "-c", script],
             timeout=self.clamp_timeout(timeout),

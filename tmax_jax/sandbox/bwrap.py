@@ -155,9 +155,10 @@ class BwrapSandbox(Sandbox):
 
     # ---- commands --------------------------------------------------------------------------------
     def _backend_env(self) -> dict[str, str]:
+        out = dict(self.rootfs.env)
         if self.rootfs.path_prefix:
-            return {"PATH": ":".join(self.rootfs.path_prefix) + ":" + BASE_PATH}
-        return {}
+            out["PATH"] = ":".join(self.rootfs.path_prefix) + ":" + BASE_PATH
+        return out
 
     def _exec_argv(self, argv: list[str], env: dict[str, str], cwd: str, interactive: bool) -> list[str]:
         if self.child_pid is None or not self._alive():

@@ -29,6 +29,7 @@ class Rootfs:
     ident: str
     # Mounted after the writable binds, so they may sit inside one (the host Python under /root).
     late_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
 
 
 def _python_prefix() -> Path | None:
@@ -53,7 +54,9 @@ def host_rootfs() -> Rootfs:
         late = ("--ro-bind", str(prefix), str(prefix))
         path_prefix = (str(prefix / "bin"),)
     ident = hashlib.sha256(f"host:{os.uname().release}:{sys.version}:{prefix}".encode()).hexdigest()[:16]
-    return Rootfs(tuple(args), path_prefix, ident, late)
+    # The host's Python carries many pytest plugins (seconds to import); task verifiers need none.
+    env = (("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1"),)
+    return Rootfs(tuple(args), path_prefix, ident, late, env)
 
 
 def dir_rootfs(root: Path, writable: tuple[str, ...]) -> Rootfs:
