@@ -14,7 +14,9 @@ import sys
 from tmax_jax.errors import TmaxError
 
 # One entry per sub-command module (tmax_jax/commands/<name>.py).
-COMMAND_MODULES: list[str] = []
+COMMAND_MODULES: list[str] = [
+    "serve",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
