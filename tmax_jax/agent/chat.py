@@ -17,7 +17,14 @@ _DUMMY = [{"role": "user", "content": "DUMMY-USER"}, {"role": "assistant", "cont
 
 
 class ChatFormatter:
-    def __init__(self, tokenizer: Any, *, tools: list[dict] | None = None, end_token: str = "<|im_end|>"):
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        tools: list[dict] | None = None,
+        end_token: str = "<|im_end|>",
+        template_kwargs: dict | None = None,
+    ):
         if getattr(tokenizer, "chat_template", None) is None:
             raise TmaxError(
                 "the tokenizer has no chat template (tokenizer_config.json needs 'chat_template')"
@@ -25,6 +32,8 @@ class ChatFormatter:
         self.tokenizer = tokenizer
         self.tools = tools
         self.end_token = end_token
+        # e.g. {"enable_thinking": False}: passed to every render of the template.
+        self.template_kwargs = dict(template_kwargs or {})
         end_id = tokenizer.convert_tokens_to_ids(end_token)
         if end_id is None or end_id == getattr(tokenizer, "unk_token_id", object()):
             raise TmaxError(f"the tokenizer has no end-of-turn token {end_token!r}")
@@ -38,7 +47,11 @@ class ChatFormatter:
 
     def _render(self, messages: list[dict], *, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tools=self.tools, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages,
+            tools=self.tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **self.template_kwargs,
         )
 
     def encode(self, text: str) -> list[int]:
