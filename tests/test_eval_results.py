@@ -31,10 +31,13 @@ def test_torn_last_line_is_rerun_but_corruption_elsewhere_is_an_error(tmp_path):
     log.add(AttemptRecord("a", 0, "passed", reward=1.0))
     with open(log.path, "a") as f:
         f.write('{"task_id": "a", "attem')
-    assert not ResultsLog(tmp_path).is_done("a", 1)
-    assert ResultsLog(tmp_path).is_done("a", 0)
-    with open(log.path, "a") as f:
-        f.write("\n" + json.dumps({"task_id": "b", "attempt": 0, "status": "failed"}) + "\n")
+    reloaded = ResultsLog(tmp_path)
+    assert reloaded.is_done("a", 0) and not reloaded.is_done("a", 1)
+    # The torn line is gone, so the next append is a line of its own.
+    reloaded.add(AttemptRecord("a", 1, "failed"))
+    assert [json.loads(line)["attempt"] for line in log.path.read_text().splitlines()] == [0, 1]
+    lines = log.path.read_text().splitlines()
+    log.path.write_text(lines[0] + "\n{garbage\n" + lines[1] + "\n")
     with pytest.raises(ConfigError, match="line 2"):
         ResultsLog(tmp_path)
 

@@ -16,6 +16,7 @@ from tmax_jax.errors import TmaxError
 # One entry per sub-command module (tmax_jax/commands/<name>.py).
 COMMAND_MODULES: list[str] = [
     "serve",
+    "eval",
 ]
 
 

@@ -79,7 +79,10 @@ class ResultsLog:
                 rec = AttemptRecord.from_json(json.loads(line))
             except (json.JSONDecodeError, TypeError) as e:
                 if i == len(lines) - 1:
-                    continue  # torn write of an attempt that never finished: it is simply re-run
+                    # A torn write of an attempt that never finished: drop it (it is simply re-run),
+                    # or the next append would glue a record onto it.
+                    self.path.write_text("".join(line + "\n" for line in lines[:i]))
+                    break
                 raise ConfigError(f"{self.path}: line {i + 1} is not an attempt record: {e}") from e
             self._records[rec.key] = rec  # later lines (retried errors) win
 

@@ -1,0 +1,50 @@
+"""The task set of an evaluation: every Harbor task directory under a root, with its category."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from tmax_jax.errors import TaskFormatError
+from tmax_jax.eval.environment import EnvironmentCheck, check_environment
+from tmax_jax.eval.summary import UNCATEGORIZED
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalTask:
+    task_id: str  # the task dir relative to the task-set root: unique, and stable across runs
+    path: Path
+    category: str  # task.toml [metadata] category
+    environment: EnvironmentCheck
+    task: Any  # the loaded tmax_jax.tasks.Task
+
+
+def _category(task: Any) -> str:
+    category = (getattr(task, "metadata", None) or {}).get("category", UNCATEGORIZED)
+    if not isinstance(category, str) or not category.strip():
+        raise TaskFormatError(
+            f"{task.path}/task.toml: metadata.category must be a non-empty string, got {category!r}"
+        )
+    return category.strip()
+
+
+def find_eval_tasks(root: str | Path, *, network: bool = False) -> list[EvalTask]:
+    """Harbor tasks under ``root`` (TMAX task.json dirs are skipped), sorted by id.
+
+    A malformed task raises TaskFormatError naming it: an evaluation silently missing a task would
+    report a pass rate over a different set.
+    """
+    from tmax_jax.tasks import find_tasks, load_task
+
+    root = Path(root)
+    out = []
+    for path in find_tasks(root):
+        task = load_task(path)
+        if task.format != "harbor":
+            continue
+        task_id = path.relative_to(root).as_posix() if path != root else path.name
+        out.append(EvalTask(task_id, path, _category(task), check_environment(path, network=network), task))
+    if not out:
+        raise TaskFormatError(f"no Harbor tasks (task.toml + instruction.md + tests/test.sh) under {root}")
+    return sorted(out, key=lambda t: t.task_id)
