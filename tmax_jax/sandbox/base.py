@@ -50,6 +50,7 @@ class Sandbox(abc.ABC):
         self._shells: list = []
         self.run_dir = cfg.resolved_run_dir / self.id
         self.exec_count = 0
+        self.exec_durations: list[float] = []
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> Sandbox:
@@ -157,9 +158,11 @@ class Sandbox(abc.ABC):
         host_argv = self._exec_argv(
             argv, self.environment(env), cwd or self.workdir, interactive=stdin is not None
         )
-        return run_capped(
+        got = run_capped(
             host_argv, timeout=timeout, cap=cap, stdin=stdin, on_kill=self._on_kill, cap_stdout=cap_stdout
         )
+        self.exec_durations.append(got.duration_s)
+        return got
 
     def shell(self, env: Mapping[str, str] | None = None, cwd: str | None = None):
         """A persistent bash session (see ``ShellSession``)."""

@@ -133,7 +133,9 @@ class ShellSession:
         text = (note + out).decode("utf-8", "replace")
         if truncated:
             text += TRUNCATION_MARKER.format(cap=cap)
-        return ExecResult(text, "", rc, timed_out, truncated, time.monotonic() - t0)
+        dt = time.monotonic() - t0
+        sb.exec_durations.append(dt)
+        return ExecResult(text, "", rc, timed_out, truncated, dt)
 
     def _collect(self, done: bytes, deadline: float, cap: int, since: int):
         fd = self.proc.stdout.fileno()

@@ -1,0 +1,189 @@
+"""Assemble a small Debian-compatible rootfs from the host's own binaries (no network needed).
+
+Used as the Podman base image (``podman import``) and as a self-contained bwrap rootfs. It holds a
+shell, coreutils-style tools, Python 3 with pytest, and the shared libraries they load (from
+``ldd``). ``sandboxes/build_rootfs.py`` is the CLI; it can also run debootstrap when a Debian mirror
+is reachable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tmax_jax.errors import SandboxError
+
+TOOLS = (
+    "bash sh dash env setpriv sleep cat ls cp mv rm mkdir rmdir ln chmod chown touch echo printf test "
+    "head tail wc sort uniq cut tr tee grep sed awk mawk gawk find xargs tar gzip gunzip zcat bzip2 xz date "
+    "basename dirname readlink realpath stat du df id whoami uname kill true false expr seq diff cmp "
+    "md5sum sha1sum sha256sum base64 mktemp nproc timeout yes od pwd hostname which comm paste join split "
+    "fold nl rev tac sum install truncate dd ps pgrep pkill file less more python3 perl"
+).split()
+PURE_PY = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "pygments", "py")
+SKIP_STDLIB = {
+    "test",
+    "idlelib",
+    "tkinter",
+    "turtledemo",
+    "ensurepip",
+    "lib2to3",
+    "config-3.11-x86_64-linux-gnu",
+}
+
+
+def _ldd(path: Path) -> list[Path]:
+    r = subprocess.run(["ldd", str(path)], capture_output=True, text=True)
+    out = []
+    for line in r.stdout.splitlines():
+        m = re.search(r"(/\S+) \(0x", line)
+        if m:
+            out.append(Path(m.group(1)))
+    return out
+
+
+def _copy(src: Path, root: Path) -> None:
+    dest = root / str(src).lstrip("/")
+    if dest.exists():
+        return
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(src, dest, follow_symlinks=True)
+
+
+def _usr_path(p: Path) -> Path:
+    s = str(p)
+    for top in ("/bin/", "/sbin/", "/lib/", "/lib64/"):
+        if s.startswith(top):
+            return Path("/usr" + s)
+    return p
+
+
+def build_host_rootfs(dest: Path, python: str = "/usr/bin/python3") -> Path:
+    """Write the rootfs into ``dest`` (created; must not exist). Returns ``dest``."""
+    dest = Path(dest)
+    if dest.exists():
+        raise SandboxError(f"rootfs destination {dest} already exists")
+    tmp = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for d in (
+        "usr/bin",
+        "usr/sbin",
+        "usr/lib",
+        "usr/lib64",
+        "etc",
+        "tmp",
+        "root",
+        "proc",
+        "dev",
+        "sys",
+        "run",
+        "var/tmp",
+        "home",
+    ):
+        (tmp / d).mkdir(parents=True, exist_ok=True)
+    for name, target in (
+        ("bin", "usr/bin"),
+        ("sbin", "usr/sbin"),
+        ("lib", "usr/lib"),
+        ("lib64", "usr/lib64"),
+    ):
+        os.symlink(target, tmp / name)
+    elfs: list[Path] = []
+    for tool in TOOLS:
+        found = shutil.which(tool, path="/usr/bin:/bin:/usr/sbin:/sbin")
+        if not found:
+            continue
+        real = Path(found).resolve()
+        dest_bin = tmp / "usr/bin" / tool
+        if not dest_bin.exists():
+            shutil.copy2(real, dest_bin)
+        elfs.append(real)
+    py = Path(python).resolve()
+    ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    if py.name.startswith("python3"):
+        ver = py.name
+    stdlib = Path(f"/usr/lib/{ver}")
+    if not stdlib.is_dir():
+        raise SandboxError(
+            f"{stdlib} not found: the host rootfs builder needs a Debian python3 (apt install python3)"
+        )
+    shutil.copy2(py, tmp / "usr/bin" / py.name)
+    for alias in ("python3", "python"):
+        if not (tmp / "usr/bin" / alias).exists():
+            os.symlink(py.name, tmp / "usr/bin" / alias)
+    shutil.copytree(
+        stdlib,
+        tmp / str(stdlib).lstrip("/"),
+        ignore=lambda d, names: [n for n in names if n in SKIP_STDLIB],
+        symlinks=True,
+    )
+    elfs.append(py)
+    elfs.extend((stdlib / "lib-dynload").glob("*.so"))
+    site = tmp / "usr/lib/python3/dist-packages"
+    site.mkdir(parents=True, exist_ok=True)
+    for mod in PURE_PY:
+        spec = importlib.util.find_spec(mod)
+        if spec is None or spec.origin is None:
+            continue
+        src = Path(spec.origin).parent if spec.submodule_search_locations else Path(spec.origin)
+        if src.is_dir():
+            shutil.copytree(src, site / src.name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, site / src.name)
+    seen: set[Path] = set()
+    todo = list(elfs)
+    while todo:
+        p = todo.pop()
+        for lib in _ldd(p):
+            if lib in seen:
+                continue
+            seen.add(lib)
+            _copy(lib.resolve(), tmp)
+            # keep the soname the loader asks for, under usr/ (bin, lib are symlinks to usr/)
+            want = tmp / str(_usr_path(lib)).lstrip("/")
+            if not want.exists():
+                want.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(lib.resolve(), want)
+            todo.append(lib.resolve())
+    (tmp / "etc/passwd").write_text(
+        "root:x:0:0:root:/root:/bin/bash\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+    )
+    (tmp / "etc/group").write_text("root:x:0:\nnogroup:x:65534:\n")
+    (tmp / "etc/hosts").write_text("127.0.0.1 localhost\n::1 localhost\n")
+    (tmp / "etc/os-release").write_text('NAME="tmax-jax host-derived rootfs"\nID=debian\n')
+    h = hashlib.sha256()
+    for f in sorted((tmp / "usr/bin").iterdir()):
+        h.update(f.name.encode() + str(f.lstat().st_size).encode())
+    (tmp / ".tmax-rootfs-id").write_text(h.hexdigest()[:16] + "\n")
+    tmp.rename(dest)
+    return dest
+
+
+def debootstrap_rootfs(
+    dest: Path, suite: str = "bookworm", mirror: str = "http://deb.debian.org/debian"
+) -> Path:
+    """A minimal Debian via debootstrap (minutes; needs the mirror), with python3 and pytest."""
+    if shutil.which("debootstrap") is None:
+        raise SandboxError("debootstrap is not installed (apt install debootstrap)")
+    r = subprocess.run(
+        [
+            "debootstrap",
+            "--variant=minbase",
+            "--include=python3,python3-pytest,util-linux",
+            suite,
+            str(dest),
+            mirror,
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode != 0:
+        raise SandboxError(f"debootstrap failed: {r.stderr[-1500:]}")
+    (Path(dest) / ".tmax-rootfs-id").write_text(f"debootstrap-{suite}\n")
+    return Path(dest)
