@@ -5,7 +5,7 @@ import pytest
 
 from tmax_jax.agent.trajectory import Trajectory, read_jsonl, write_jsonl
 from tmax_jax.train.metrics import MetricsWriter
-from tmax_jax.train.queue import Group, QueueClosed, RolloutQueue
+from tmax_jax.train.queue import Group, QueueClosed, RolloutBatch, RolloutQueue
 
 
 def _group(task: str, versions: list[int], reward: float = 0.0) -> Group:
@@ -21,41 +21,42 @@ def _group(task: str, versions: list[int], reward: float = 0.0) -> Group:
 
 def test_stale_groups_are_dropped_and_counted():
     q = RolloutQueue(capacity=8, max_staleness=2)
-    q.put(_group("old", [0, 5]))  # oldest token from version 0
-    q.put(_group("fresh", [3, 4]))
-    q.put(_group("fresh2", [5]))
-    got = q.get(2, current_version=5)
-    assert [g.task_id for g in got] == ["fresh", "fresh2"]
+    q.put(RolloutBatch(0, [_group("old", [0, 5]), _group("fresh", [3, 4])]))  # "old": a token from v0
+    q.put(RolloutBatch(1, [_group("fresh2", [5])]))
+    b0 = q.get(current_version=5)
+    assert b0.index == 0 and [g.task_id for g in b0.groups] == ["fresh"] and b0.dropped_stale == 1
+    b1 = q.get(current_version=5)
+    assert [g.task_id for g in b1.groups] == ["fresh2"] and b1.dropped_stale == 0
     assert q.dropped_stale == 1 and len(q) == 0
 
 
 def test_back_pressure_blocks_producer_until_consumed():
     q = RolloutQueue(capacity=1, max_staleness=10)
-    q.put(_group("a", [0]))
+    q.put(RolloutBatch(0, [_group("a", [0])]))
     done = threading.Event()
 
     def producer():
-        q.put(_group("b", [0]))
+        q.put(RolloutBatch(1, [_group("b", [0])]))
         done.set()
 
     th = threading.Thread(target=producer)
     th.start()
     time.sleep(0.2)
     assert not done.is_set()  # blocked: the queue is full
-    assert [g.task_id for g in q.get(1, current_version=0)] == ["a"]
+    assert q.get(current_version=0).index == 0
     th.join(timeout=5)
     assert done.is_set() and len(q) == 1
 
 
-def test_timeout_returns_taken_groups_and_close_wakes_waiters():
+def test_timeout_and_close_wake_waiters():
     q = RolloutQueue(capacity=4, max_staleness=10)
-    q.put(_group("a", [0]))
-    with pytest.raises(TimeoutError, match="got 1 of 2"):
-        q.get(2, current_version=0, timeout=0.1)
-    assert len(q) == 1  # nothing lost
+    with pytest.raises(TimeoutError):
+        q.get(current_version=0, timeout=0.1)
     q.close()
     with pytest.raises(QueueClosed):
-        q.get(5, current_version=0)
+        q.get(current_version=0)
+    with pytest.raises(QueueClosed):
+        q.put(RolloutBatch(0, []))
 
 
 def test_trajectory_jsonl_round_trip_and_validation(tmp_path):

@@ -1,9 +1,11 @@
 """A rollout queue with a staleness bound.
 
-Rollout workers put whole groups (all trajectories of one prompt); the trainer takes groups for the
-next step. A group is *stale* when its oldest token was sampled by a policy more than
-``max_staleness`` versions behind the trainer's current version; stale groups are dropped and counted
-(TMAX runs with 4 async steps and in-flight weight updates, so a group may mix versions).
+Rollout workers put one ``RolloutBatch`` per trainer step (the groups of ``prompts_per_step``
+prompts, each group all samples of one prompt), in step order. The trainer takes the next batch.
+A group is *stale* when its oldest token was sampled by a policy more than ``max_staleness``
+versions behind the trainer's current version; stale groups are dropped and counted (TMAX runs
+with 4 async steps and in-flight weight updates, so one group may mix versions). The queue's
+capacity bounds how far rollouts run ahead of training (back-pressure).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import collections
 import dataclasses
 import threading
 import time
+from typing import Any
 
 from tmax_jax.agent.trajectory import Trajectory
 
@@ -31,6 +34,15 @@ class Group:
         return [t.reward for t in self.trajectories]
 
 
+@dataclasses.dataclass
+class RolloutBatch:
+    index: int  # the trainer step (0-based prompt batch) these groups belong to
+    groups: list[Group]
+    data_state: Any = None  # prompt-loader state *after* this batch was drawn (for resume)
+    rollout_s: float = 0.0
+    dropped_stale: int = 0
+
+
 class QueueClosed(Exception):
     pass
 
@@ -41,14 +53,14 @@ class RolloutQueue:
             raise ValueError("queue capacity must be positive")
         self.capacity = capacity
         self.max_staleness = max_staleness
-        self._items: collections.deque[Group] = collections.deque()
+        self._items: collections.deque[RolloutBatch] = collections.deque()
         self._cv = threading.Condition()
         self._closed = False
         self.dropped_stale = 0
         self.wait_put_s = 0.0
         self.wait_get_s = 0.0
 
-    def put(self, group: Group, timeout: float | None = None) -> None:
+    def put(self, batch: RolloutBatch, timeout: float | None = None) -> None:
         """Blocks while full (back-pressure on the rollout side)."""
         t0 = time.monotonic()
         with self._cv:
@@ -57,36 +69,27 @@ class RolloutQueue:
                     raise TimeoutError("rollout queue full")
             if self._closed:
                 raise QueueClosed
-            self._items.append(group)
+            self._items.append(batch)
             self.wait_put_s += time.monotonic() - t0
             self._cv.notify_all()
 
-    def get(self, n: int, current_version: int, timeout: float | None = None) -> list[Group]:
-        """Take ``n`` fresh groups, dropping stale ones on the way (blocks until enough arrive)."""
+    def get(self, current_version: int, timeout: float | None = None) -> RolloutBatch:
+        """The next batch, with groups staler than the bound removed (``batch.dropped_stale`` counts them)."""
         t0 = time.monotonic()
-        out: list[Group] = []
-        deadline = None if timeout is None else t0 + timeout
         with self._cv:
-            while len(out) < n:
-                while self._items and len(out) < n:
-                    g = self._items.popleft()
-                    if current_version - g.min_version > self.max_staleness:
-                        self.dropped_stale += 1
-                    else:
-                        out.append(g)
-                    self._cv.notify_all()
-                if len(out) >= n:
-                    break
+            while not self._items:
                 if self._closed:
                     raise QueueClosed
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    # Give back what we took so nothing is lost on a timeout.
-                    self._items.extendleft(reversed(out))
-                    raise TimeoutError(f"got {len(out)} of {n} groups before the timeout")
-                self._cv.wait(remaining)
+                if not self._cv.wait(timeout):
+                    raise TimeoutError("no rollout batch before the timeout")
+            batch = self._items.popleft()
+            self._cv.notify_all()
+        fresh = [g for g in batch.groups if current_version - g.min_version <= self.max_staleness]
+        batch.dropped_stale = len(batch.groups) - len(fresh)
+        batch.groups = fresh
+        self.dropped_stale += batch.dropped_stale
         self.wait_get_s += time.monotonic() - t0
-        return out
+        return batch
 
     def close(self) -> None:
         with self._cv:

@@ -1,0 +1,108 @@
+"""The one config of a training run (``tmax-jax train CONFIG.yaml``): a frozen dataclass tree.
+
+YAML files under ``configs/`` override fields of ``TrainConfig()``; unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Literal
+
+from tmax_jax.agent.episode import AgentConfig
+from tmax_jax.config import load_yaml, override
+from tmax_jax.errors import ConfigError
+from tmax_jax.rl.config import RLConfig
+from tmax_jax.sandbox.config import SandboxConfig
+from tmax_jax.sharding import MeshConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    checkpoint: str = ""  # a local HF directory; "" = create a random tiny one in RUN_DIR/init
+    init_seed: int = 0
+    dtype: str = "float32"  # compute dtype of the policy (bfloat16 on accelerators); the head is f32
+    param_dtype: str = "float32"
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSource:
+    dir: str = ""  # Harbor/TMAX task directory; "" = generate procedural tasks into RUN_DIR/tasks
+    families: tuple[str, ...] = ()  # procedural families (empty = all)
+    num_train: int = 64
+    num_heldout: int = 16  # pass_rate_before/after are measured on these (seeds never trained on)
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    slots: int = 32  # decode slots (episodes generating at once)
+    max_cache_length: int = 4096
+    max_prefill_length: int = 1024
+    cache_dtype: str = "float32"
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    """Warm start on demonstrations (reference solutions replayed through the harness)."""
+
+    steps: int = 0  # 0 = no warm start
+    batch_size: int = 16
+    learning_rate: float = 1e-3
+    seq_len: int = 2048
+    demos_per_task: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    samples_per_task: int = 4  # held-out pass rate = mean reward over tasks x samples
+    every: int = 0  # also evaluate every N steps (0 = only before and after)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    run_dir: str = "runs/default"
+    seed: int = 0
+    steps: int = 100
+    prompts_per_step: int = 8
+    group_size: int = 32
+    async_steps: int = 4  # rollouts may run this many steps ahead; staler groups are dropped
+    mode: Literal["async", "sync"] = "async"
+    rollout_workers: int = 32  # episodes in flight (threads driving sandboxes and the engine)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seq_len: int = 8192  # train row length (trajectories are packed into rows)
+    save_every: int = 10
+    keep_checkpoints: int = 3
+    save_trajectories: bool = True
+    model: ModelSource = dataclasses.field(default_factory=ModelSource)
+    tasks: TaskSource = dataclasses.field(default_factory=TaskSource)
+    agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
+    sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
+    engine: EngineSettings = dataclasses.field(default_factory=EngineSettings)
+    rl: RLConfig = dataclasses.field(default_factory=RLConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
+    eval: EvalSettings = dataclasses.field(default_factory=EvalSettings)
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "prompts_per_step", "group_size", "rollout_workers", "seq_len", "save_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.async_steps < 0:
+            raise ConfigError(f"async_steps must be >= 0, got {self.async_steps}")
+        if self.group_size < 2:
+            raise ConfigError("group_size must be >= 2: advantages are relative to the group")
+
+    @property
+    def max_staleness(self) -> int:
+        return 0 if self.mode == "sync" else self.async_steps
+
+
+def load_train_config(path: str | Path | None, overrides: dict | None = None) -> TrainConfig:
+    cfg = TrainConfig()
+    if path:
+        cfg = override(cfg, load_yaml(path))
+    if overrides:
+        cfg = override(cfg, overrides)
+    return cfg
