@@ -17,6 +17,7 @@ from tmax_jax.errors import TmaxError
 COMMAND_MODULES: list[str] = [
     "serve",
     "eval",
+    "run_task",
 ]
 
 
