@@ -49,6 +49,10 @@ def register(subparsers) -> None:
     )
     p.add_argument("--temperature", type=float, default=1.0, help="model agent sampling temperature")
     p.add_argument("--max-turns", type=int, default=64, help="model agent turn limit per episode")
+    p.add_argument("--max-tokens-per-turn", type=int, default=2048, help="model agent reply length limit")
+    p.add_argument(
+        "--max-context", type=int, default=32768, help="--checkpoint: tokens per episode (cache length)"
+    )
     p.set_defaults(func=run)
 
 
@@ -71,7 +75,13 @@ def _make_agent(args):
 
     if args.checkpoint is not None:
         return checkpoint_agent(
-            args.checkpoint, harness=args.harness, temperature=args.temperature, max_turns=args.max_turns
+            args.checkpoint,
+            harness=args.harness,
+            temperature=args.temperature,
+            max_turns=args.max_turns,
+            slots=args.concurrency,
+            max_context_tokens=args.max_context,
+            max_tokens_per_turn=args.max_tokens_per_turn,
         ), {"checkpoint": str(args.checkpoint.resolve()), "harness": args.harness}
     if args.llm_url is not None:
         if not args.model:
@@ -98,7 +108,12 @@ def run(args: argparse.Namespace) -> int:
     agent, identity = _make_agent(args)
     out = args.out or Path("runs") / "eval" / f"{_agent_label(args)}-{args.tasks.resolve().name}"
     sandbox_cfg = SandboxConfig(backend=args.backend, rootfs=args.rootfs, network=args.network)
-    summary = evaluate(args.tasks, agent, out, cfg, sandbox_cfg=sandbox_cfg, identity=identity)
+    try:
+        summary = evaluate(args.tasks, agent, out, cfg, sandbox_cfg=sandbox_cfg, identity=identity)
+    finally:
+        close = getattr(agent, "close", None)
+        if callable(close):
+            close()
     o = summary["overall"]
     passes = "  ".join(
         f"pass@{j} {o['pass_at'][str(j)]:.3f}" if o["pass_at"][str(j)] is not None else f"pass@{j} n/a"
