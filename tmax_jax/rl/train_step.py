@@ -1,0 +1,203 @@
+"""The jitted, sharded RL train step: policy loss on packed rows, gradient accumulation, AdamW.
+
+``TrainStep`` owns the optimizer, the shardings of params / optimizer state / batches on a mesh, and
+one ``jax.jit`` of the step with ``in_shardings`` / ``out_shardings`` and the state donated. The batch
+contract is documented in ``tmax_jax.rl.packing`` (all fields ``[B, T]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from tmax_jax import sharding as shd
+from tmax_jax.rl.config import RLConfig
+from tmax_jax.rl.logprobs import token_logprobs
+from tmax_jax.rl.losses import combine_stats, finalize_stats, loss_normalizer, loss_terms
+from tmax_jax.rl.optim import learning_rate_schedule, make_optimizer
+from tmax_jax.rl.packing import BATCH_FIELDS, validate_batch
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a resumed run needs on device. ``rng`` is a raw uint32[2] key (checkpoint-friendly)."""
+
+    step: jax.Array  # int32 []
+    params: nnx.State
+    opt_state: optax.OptState
+    rng: jax.Array
+
+
+def make_model(model_cfg, *, remat: str = "full", dtype=jnp.float32, param_dtype=jnp.float32, seed: int = 0):
+    """A fresh Qwen 3.5 policy with random weights (params are placed on the mesh by ``TrainStep``)."""
+    from tmax_jax.models.qwen35 import Qwen35ForCausalLM
+
+    # Params are created unsharded on the host and placed afterwards, with shapes checked per mesh.
+    with nnx.use_eager_sharding(False):
+        return Qwen35ForCausalLM(
+            model_cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(seed), remat=remat
+        )
+
+
+class TrainStep:
+    """One optimizer step per call: ``state, metrics = train_step(state, batch)``.
+
+    ``model`` supplies the graph (and the initial params for ``init_state``); its ``remat`` and
+    ``dtype`` are whatever it was built with (``make_model``).
+    """
+
+    def __init__(self, model, cfg: RLConfig, mesh: Mesh, mesh_cfg: shd.MeshConfig = shd.MeshConfig()):
+        self.cfg = cfg
+        self.mesh = mesh
+        self.mesh_cfg = mesh_cfg
+        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        self.optimizer = make_optimizer(cfg.optimizer)
+        self.schedule = learning_rate_schedule(cfg.optimizer)
+        self._params = params  # the model's own initial params, until init_state() consumes them
+        self._abstract_params = jax.eval_shape(lambda: params)
+        self.micro_batches = cfg.train_step.micro_batches
+        self.rows_multiple = mesh.shape["data"] * mesh.shape["fsdp"] * self.micro_batches
+
+        replicated = NamedSharding(mesh, PartitionSpec())
+        self.param_shardings = shd.param_shardings(params, mesh, mesh_cfg)
+        abstract_opt = jax.eval_shape(self.optimizer.init, params)
+        self.opt_shardings = shd.optimizer_shardings(self.optimizer, abstract_opt, self.param_shardings, mesh)
+        self.state_shardings = TrainState(
+            step=replicated, params=self.param_shardings, opt_state=self.opt_shardings, rng=replicated
+        )
+        self.batch_shardings = {k: shd.batch_sharding(mesh, 2) for k in BATCH_FIELDS}
+        self._jitted = jax.jit(
+            self._step,
+            in_shardings=(self.state_shardings, self.batch_shardings),
+            out_shardings=(self.state_shardings, replicated),
+            donate_argnums=(0,),
+        )
+
+    # -- state --------------------------------------------------------------------------------------
+    def init_state(self, params: nnx.State | None = None, *, seed: int = 0) -> TrainState:
+        """Place params on the mesh (resharding if needed) and create the AdamW state there."""
+        if params is None:
+            if self._params is None:
+                raise RuntimeError("init_state() without params works once (the model's initial params)")
+            params, self._params = self._params, None
+        with jax.set_mesh(self.mesh):
+            params = shd.shard_tree(params, self.param_shardings)
+            opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(params)
+            replicated = NamedSharding(self.mesh, PartitionSpec())
+            step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
+            rng = jax.device_put(jax.random.PRNGKey(seed), replicated)
+        return TrainState(step=step, params=params, opt_state=opt_state, rng=rng)
+
+    def abstract_state(self) -> TrainState:
+        """Shapes, dtypes and shardings of the train state (a restore target; allocates nothing)."""
+        return abstract_train_state(self.optimizer, self._abstract_params, self.state_shardings)
+
+    def model(self, state: TrainState):
+        """The nnx model with ``state``'s params (weight sync to the engine, HF export)."""
+        return nnx.merge(self.graphdef, state.params, self.rest)
+
+    # -- batches ------------------------------------------------------------------------------------
+    def put_batch(self, local_batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Validate this process's rows and assemble the global, row-sharded batch."""
+        validate_batch(local_batch, rows_multiple=max(self.rows_multiple // jax.process_count(), 1))
+        return shd.global_batch(local_batch, self.mesh)
+
+    def __call__(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
+        if not all(isinstance(v, jax.Array) for v in batch.values()):
+            batch = self.put_batch(batch)
+        else:
+            validate_batch(batch, rows_multiple=self.rows_multiple)
+        with jax.set_mesh(self.mesh):
+            return self._jitted(state, dict(batch))
+
+    # -- the step -----------------------------------------------------------------------------------
+    def _micro_loss(self, params, mb, normalizer):
+        lc = self.cfg.loss
+        model = nnx.merge(self.graphdef, params, self.rest)
+        hidden_BxTxD = model.hidden_states(
+            mb["input_ids"], positions=mb["positions"], segment_ids=mb["segment_ids"]
+        )
+        hidden_BxTxD = jax.lax.with_sharding_constraint(
+            hidden_BxTxD, NamedSharding(self.mesh, PartitionSpec(shd.BATCH_AXES, None, None))
+        )
+        logprobs_BxT = token_logprobs(
+            hidden_BxTxD,
+            model.lm_head_weight(),
+            mb["targets"],
+            temperature=lc.temperature,
+            chunk_size=lc.logprob_chunk,
+        )
+        loss_sum, stats = loss_terms(
+            lc.name,
+            lc,
+            logprobs_BxT,
+            mb["rollout_logprobs"],
+            mb["advantages"],
+            mb["response_mask"],
+            mb["segment_ids"],
+        )
+        return loss_sum / normalizer, stats
+
+    def _step(self, state: TrainState, batch):
+        M = self.micro_batches
+        normalizer = loss_normalizer(self.cfg.loss.name, batch["response_mask"], batch["segment_ids"])
+
+        def loss_and_grads(mb):
+            (loss, stats), grads = jax.value_and_grad(self._micro_loss, has_aux=True)(
+                state.params, mb, normalizer
+            )
+            return loss, stats, grads
+
+        if M == 1:
+            loss, stats, grads = loss_and_grads(batch)
+        else:
+            B = batch["input_ids"].shape[0]
+            # [B, T] -> [M, B/M, T] taking every M-th row, so each micro-batch keeps rows on every shard.
+            micro = {k: v.reshape(B // M, M, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
+
+            def body(carry, mb):
+                loss, stats, grads = loss_and_grads(mb)
+                loss_acc, stats_acc, grads_acc = carry
+                carry = (
+                    loss_acc + loss,
+                    combine_stats(stats_acc, stats),
+                    jax.tree.map(jnp.add, grads_acc, grads),
+                )
+                return carry, None
+
+            # One traced copy of forward + backward (the scan body), whatever M is.
+            shapes = jax.eval_shape(loss_and_grads, {k: v[0] for k, v in micro.items()})
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            (loss, stats, grads), _ = jax.lax.scan(body, zeros, micro)
+
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        rng, _ = jax.random.split(state.rng)
+        metrics = {
+            "loss": loss,
+            "grad_norm": optax.tree.norm(grads),
+            "learning_rate": jnp.asarray(self.schedule(state.step), jnp.float32),
+            **finalize_stats(stats),
+        }
+        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)
+        return new_state, metrics
+
+
+def abstract_train_state(optimizer, params, state_shardings: TrainState) -> TrainState:
+    """``jax.ShapeDtypeStruct`` tree of a TrainState, with shardings, for orbax restores."""
+
+    def build(p):
+        return TrainState(
+            step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p), rng=jax.random.PRNGKey(0)
+        )
+
+    shapes = jax.eval_shape(build, params)
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, state_shardings
+    )
