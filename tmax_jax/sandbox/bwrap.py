@@ -106,6 +106,8 @@ class BwrapSandbox(Sandbox):
         for w in sorted(cfg.writable_paths, key=lambda p: p.count("/")):
             args += ["--bind", str(self.state / w.lstrip("/")), w]
         args += list(self.rootfs.late_args)
+        # bwrap's own root is a tmpfs holding the symlinks and mount points: make it read-only too.
+        args += ["--remount-ro", "/"]
         r_fd, w_fd = os.pipe()
         # The info fd is written before the mounts are done; the "ready" line comes after them.
         args += ["--info-fd", str(w_fd), "--", "/bin/sh", "-c", "echo tmax-ready; exec sleep infinity"]
@@ -210,6 +212,8 @@ class BwrapSandbox(Sandbox):
 
     # ---- close -----------------------------------------------------------------------------------
     def _close(self) -> None:
+        if self.cg is not None:
+            self.cg.kill_all()
         if self.init is not None:
             kill_tree(self.init.pid)
             try:
@@ -218,6 +222,11 @@ class BwrapSandbox(Sandbox):
                 pass
             if self.init.stderr:
                 self.init.stderr.close()
+        if self.child_pid is not None:
+            # pid 1 of the namespace lingers in the kernel until every member is reaped.
+            deadline = time.monotonic() + 10.0
+            while pid_alive(self.child_pid) and time.monotonic() < deadline:
+                time.sleep(0.01)
         if self.cg is not None:
             self.cg.kill_all()
             self.cg.remove()

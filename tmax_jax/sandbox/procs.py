@@ -136,6 +136,7 @@ def run_capped(
     total = 0
     deadline = t0 + timeout
     killed_at = None
+    exited_at = None
     while sel.get_map():
         now = time.monotonic()
         if killed_at is None and now >= deadline:
@@ -145,7 +146,14 @@ def run_capped(
             killed_at = now
         if killed_at is not None and now - killed_at > 2.0:
             break  # a process that escaped the tree still holds the pipe; stop waiting for it
-        wait = 0.5 if killed_at is not None else max(0.0, min(deadline - now, 1.0))
+        if killed_at is None and exited_at is None and proc.poll() is not None:
+            exited_at = now
+        if exited_at is not None and now - exited_at > 0.25:
+            # The command is done; a background child still holds the pipe: stop reading.
+            break
+        wait = 0.5 if killed_at is not None else max(0.0, min(deadline - now, 0.05))
+        if exited_at is not None:
+            wait = 0.05
         for key, _ in sel.select(timeout=wait):
             fd = key.fd
             try:

@@ -172,6 +172,13 @@ class ShellSession:
                 if len(kept) >= cap and not truncated:
                     truncated = True
             now = time.monotonic()
+            if self.proc.poll() is not None and not self._drain(fd):
+                # The shell exited (``exit``); a background job may still hold the pipe open.
+                self._keep(kept, bytes(tail) + bytes(self._buf), cap)
+                self._buf.clear()
+                rc = self.proc.returncode
+                self._kill_shell()
+                return bytes(kept), 124 if timed_out else rc, timed_out, truncated
             if killed_at is None and (now >= deadline or truncated):
                 timed_out = now >= deadline
                 self._kill_command(since)
@@ -193,6 +200,20 @@ class ShellSession:
                     rc = self.proc.returncode if self.proc.returncode is not None else 1
                     return bytes(kept), 124 if timed_out else rc, timed_out, truncated
                 self._buf += chunk
+
+    def _drain(self, fd: int) -> bool:
+        """Read what is already in the pipe into the buffer; True if anything came."""
+        got = False
+        while select.select([fd], [], [], 0.05)[0]:
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            self._buf += chunk
+            got = True
+        return got
 
     @staticmethod
     def _keep(kept: bytearray, data: bytes, cap: int) -> None:

@@ -1,0 +1,319 @@
+"""bwrap sandboxes on this machine: isolation, exec semantics, shell state, limits, cleanup."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from sandbox_helpers import pid_ns, procs_in_ns
+
+from tmax_jax.errors import ConfigError, SandboxError
+from tmax_jax.sandbox import EpisodeTimeout, SandboxConfig, make_sandbox
+from tmax_jax.sandbox import cgroup as cgroup_mod
+from tmax_jax.sandbox.bwrap import bwrap_available
+
+pytestmark = pytest.mark.skipif(
+    not bwrap_available(), reason="bwrap or nsenter missing (apt install bubblewrap)"
+)
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    return SandboxConfig(
+        cache_dir=str(tmp_path / "cache"), exec_timeout_s=30, pids_max=128, memory_mb=512, disk_mb=64
+    )
+
+
+@pytest.fixture
+def sb(cfg):
+    with make_sandbox(cfg) as s:
+        yield s
+
+
+def test_exec_basics_stdin_env_cwd(sb):
+    r = sb.exec("cat; echo; echo $FOO; pwd", stdin="from-stdin", env={"FOO": "bar"}, cwd="/tmp")
+    assert r.exit_code == 0 and not r.timed_out and not r.truncated
+    assert r.stdout == "from-stdin\nbar\n/tmp\n"
+    r = sb.exec(["/bin/sh", "-c", "echo err >&2; exit 7"])
+    assert (r.exit_code, r.stderr) == (7, "err\n")
+    # exec does not carry cwd or variables over
+    sb.exec("cd /tmp; export X=1")
+    assert sb.exec("pwd; echo ${X:-unset}").stdout == "/app\nunset\n"
+
+
+def test_exec_timeout_kills_the_tree(sb):
+    t0 = time.monotonic()
+    r = sb.exec("sleep 30 & sleep 30; echo never", timeout=1.0)
+    assert r.timed_out and r.exit_code == 124 and "never" not in r.stdout
+    assert time.monotonic() - t0 < 6
+    assert sb.exec("ps -eo comm | grep -c '^sleep$' || true").stdout.strip() in (
+        "0",
+        "1",
+    )  # the init's own sleep
+
+
+def test_output_flood_is_capped_and_killed(sb):
+    t0 = time.monotonic()
+    r = sb.exec("head -c 1G /dev/zero | tr '\\0' x", max_output_bytes=100_000)
+    assert r.truncated and r.exit_code == 137
+    assert len(r.stdout) == 100_000 and "output truncated" in r.stderr
+    assert time.monotonic() - t0 < 10
+
+
+def test_upload_download_roundtrip(sb, tmp_path):
+    src = tmp_path / "tree"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.txt").write_text("alpha")
+    (src / "sub" / "b.bin").write_bytes(bytes(range(256)))
+    sb.upload(src, "/app/tree")
+    assert sb.exec("cat /app/tree/a.txt; wc -c < /app/tree/sub/b.bin").stdout == "alpha256\n"
+    sb.exec("echo changed > /app/tree/a.txt")
+    out = tmp_path / "back"
+    sb.download("/app/tree", out)
+    assert (out / "a.txt").read_text() == "changed\n"
+    assert (out / "sub" / "b.bin").read_bytes() == bytes(range(256))
+    sb.write_file("/tmp/x/y.txt", "hey")
+    assert sb.read_file("/tmp/x/y.txt") == b"hey"
+    with pytest.raises(SandboxError, match="does not exist"):
+        sb.download("/nope", tmp_path / "nope")
+    with pytest.raises(SandboxError, match="absolute"):
+        sb.upload(src, "relative/path")
+
+
+def test_persistent_shell_state(sb):
+    sh = sb.shell()
+    assert sh.run("cd /tmp && export GREETING=hi && f() { echo fn-$1; }").exit_code == 0
+    r = sh.run("pwd; echo $GREETING; f 3")
+    assert r.stdout == "/tmp\nhi\nfn-3\n"
+    assert sh.run("false").exit_code == 1
+    assert sh.run("echo 'unclosed").exit_code == 2  # a syntax error cannot hang the protocol
+    assert sh.run("cat").stdout == ""  # commands get /dev/null as stdin
+    assert sh.run("printf abc").stdout == "abc"
+    # timeout kills only that command; the shell, its cwd and older background jobs survive
+    sh.run("sleep 300 &")
+    r = sh.run("sleep 30", timeout=1)
+    assert r.timed_out and r.exit_code == 124
+    r = sh.run("pwd; jobs | grep -c Running")
+    assert r.stdout == "/tmp\n1\n"
+    # the shell exiting is reported and replaced by a fresh one
+    assert sh.run("exit 3").exit_code == 3
+    r = sh.run("pwd")
+    assert "fresh shell" in r.stdout and r.stdout.endswith("/app\n")
+
+
+def test_shell_flood_and_busy_builtin(sb):
+    sh = sb.shell()
+    r = sh.run("yes", max_output_bytes=10_000, timeout=20)
+    assert r.truncated and r.exit_code == 137 and "output truncated" in r.stdout
+    assert sh.run("echo alive").stdout == "alive\n"
+    r = sh.run("while :; do :; done", timeout=1)  # a builtin loop: the shell itself must go
+    assert r.timed_out
+    assert sh.run("echo again").stdout.endswith("again\n")
+
+
+def test_exec_and_shell_share_processes_and_loopback(sb):
+    sh = sb.shell()
+    sh.run("python3 -m http.server 8765 --bind 127.0.0.1 >/dev/null 2>&1 &")
+    script = "import time,urllib.request as u\nfor _ in range(50):\n  try: print(u.urlopen('http://127.0.0.1:8765/').status); break\n  except OSError: time.sleep(0.1)"
+    r = sb.exec(["python3", "-c", script], timeout=20)
+    assert r.stdout.strip() == "200", r.output
+
+
+def test_isolation_readonly_rootfs_no_host_writes(sb):
+    marker = f"tmax-test-{uuid.uuid4().hex}"
+    r = sb.exec(f"touch /usr/{marker}; echo x > /etc/{marker}; touch /{marker}; echo ok > /tmp/{marker}")
+    assert r.stderr.count("Read-only file system") >= 2, r.stderr
+    for host in (f"/usr/{marker}", f"/etc/{marker}", f"/{marker}", f"/tmp/{marker}"):
+        assert not os.path.exists(host)
+    # host-only places are not there at all
+    assert sb.exec("ls /work 2>&1; ls /root").stdout.count("No such file") == 1
+    assert sb.exec("test -e /var/lib; echo $?").stdout.strip() == "1"
+    caps = sb.exec("grep CapEff /proc/self/status").stdout.split()[-1]
+    assert int(caps, 16) == 0
+
+
+def test_no_network(sb):
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    try:
+        code = textwrap.dedent(f"""
+            import socket
+            for addr in [("127.0.0.1", {port}), ("1.1.1.1", 53), ("10.0.0.1", 80)]:
+                try:
+                    socket.create_connection(addr, timeout=2); print("connected", addr)
+                except OSError as e:
+                    print("blocked", addr, type(e).__name__)
+        """)
+        r = sb.exec(["python3", "-c", code], timeout=30)
+        assert r.stdout.count("blocked") == 3, r.output
+        assert sb.exec("ls /sys/class/net 2>/dev/null || ip -o link | cut -d: -f2").stdout.split() in (
+            [],
+            ["lo"],
+        )
+    finally:
+        srv.close()
+
+
+def test_rm_rf_root_leaves_host_unchanged(cfg, tmp_path):
+    sentinel = tmp_path / "keep.txt"
+    sentinel.write_text("keep")
+    before = sorted(os.listdir("/usr/bin"))[:50]
+    with make_sandbox(cfg) as s:
+        r = s.exec("rm -rf --no-preserve-root / 2>/dev/null; ls /usr/bin | head -3", timeout=60)
+        assert r.stdout.strip(), "rootfs must survive inside too (read-only)"
+    assert sentinel.read_text() == "keep"
+    assert sorted(os.listdir("/usr/bin"))[:50] == before
+
+
+@pytest.mark.skipif(not cgroup_mod.available(), reason="no writable cgroup hierarchy (pids/memory/cpu) here")
+def test_fork_bomb_is_contained_and_cleaned(cfg):
+    s = make_sandbox(dataclasses.replace(cfg, pids_max=64))
+    ns = pid_ns(s.child_pid)
+    sh = s.shell()
+    sh.run(":(){ :|:& };:", timeout=3)
+    time.sleep(1.0)
+    assert len(s.cg.pids()) <= 64
+    assert len(procs_in_ns(ns)) <= 64
+    t0 = time.monotonic()
+    s.close()
+    assert time.monotonic() - t0 < 15
+    assert procs_in_ns(ns) == []
+    assert not s.run_dir.exists()
+    assert not any(d.exists() for d in s.cg.dirs)
+
+
+@pytest.mark.skipif(not cgroup_mod.available(), reason="no writable cgroup hierarchy (memory) here")
+def test_memory_limit(cfg):
+    with make_sandbox(dataclasses.replace(cfg, memory_mb=64)) as s:
+        r = s.exec(
+            [
+                "python3",
+                "-c",
+                "b = bytearray(300 << 20); b[::4096] = b'x' * len(b[::4096]); print('survived')",
+            ]
+        )
+        assert "survived" not in r.stdout and r.exit_code != 0
+
+
+def test_disk_limit(cfg):
+    with make_sandbox(cfg) as s:  # disk_mb=64
+        r = s.exec(
+            "head -c 200M /dev/zero > /app/big; echo rc=$?; head -c 200M /dev/zero > /tmp/big; echo rc=$?"
+        )
+        assert r.stdout.count("rc=0") == 0, r.output
+        assert s.exec("du -sm /app | cut -f1").stdout.strip() <= "64"
+
+
+def test_episode_timeout(cfg):
+    with make_sandbox(dataclasses.replace(cfg, episode_timeout_s=1.0)) as s:
+        r = s.exec("sleep 10", timeout=10)
+        assert r.timed_out and r.duration_s < 3
+        with pytest.raises(EpisodeTimeout):
+            s.exec("true")
+
+
+def test_close_kills_everything_and_removes_dirs(cfg):
+    s = make_sandbox(cfg)
+    ns = pid_ns(s.child_pid)
+    sh = s.shell()
+    sh.run("setsid sleep 300 & nohup sleep 301 >/dev/null 2>&1 &")
+    s.exec("setsid sleep 302 &")
+    assert len(procs_in_ns(ns)) >= 4
+    run_dir = s.run_dir
+    s.close()
+    s.close()  # idempotent
+    assert procs_in_ns(ns) == []
+    assert not run_dir.exists()
+    with pytest.raises(SandboxError):
+        s.exec("true")
+
+
+CHILD = """
+import sys, time, json
+from tmax_jax.sandbox import SandboxConfig, make_sandbox
+sb = make_sandbox(SandboxConfig(cache_dir=sys.argv[1]))
+sb.shell().run("sleep 300 &")
+print(json.dumps({"child_pid": sb.child_pid, "run_dir": str(sb.run_dir), "cg": sb.cg.name if sb.cg else None}), flush=True)
+if sys.argv[2] == "raise":
+    raise RuntimeError("boom")
+time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("how", ["sigkill", "sigterm", "sigint", "raise"])
+def test_cleanup_when_the_parent_dies(cfg, how):
+    import json
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    p = subprocess.Popen(
+        [sys.executable, "-c", CHILD, cfg.cache_dir, how],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    info = json.loads(p.stdout.readline())
+    ns = pid_ns(info["child_pid"])
+    assert ns and len(procs_in_ns(ns)) >= 2
+    if how != "raise":
+        p.send_signal({"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigint": signal.SIGINT}[how])
+    p.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while procs_in_ns(ns) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert procs_in_ns(ns) == []  # --die-with-parent, or our handlers
+    run_dir = Path(info["run_dir"])
+    if how == "sigkill":
+        # nothing could clean up; the next pool start sweeps what the dead owner left
+        from tmax_jax.sandbox import SandboxPool
+
+        assert run_dir.exists()
+        with SandboxPool(cfg, size=1) as pool:
+            assert pool.swept >= 1
+    assert not run_dir.exists()
+    if info["cg"]:
+        assert info["cg"] not in cgroup_mod.stale_groups()
+
+
+def test_many_sandboxes_in_threads_do_not_leak(cfg):
+    errors = []
+    nss = []
+
+    def work(i):
+        try:
+            with make_sandbox(cfg) as s:
+                nss.append(pid_ns(s.child_pid))
+                assert s.exec(f"echo {i}").stdout == f"{i}\n"
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors
+    assert all(procs_in_ns(ns) == [] for ns in nss)
+    assert list((Path(cfg.cache_dir) / "run").iterdir()) == []
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match="backend"):
+        SandboxConfig(backend="docker")
+    with pytest.raises(ConfigError, match="pids_max"):
+        SandboxConfig(pids_max=0)
+    with pytest.raises(ConfigError, match="writable_paths"):
+        SandboxConfig(writable_paths=("/usr",))
+    with pytest.raises(SandboxError, match="rootfs"):
+        make_sandbox(SandboxConfig(rootfs="no-such-image:1"))
