@@ -27,9 +27,10 @@ class TrainCheckpointer:
         if keep < 1:
             raise CheckpointError(f"keep must be >= 1, got {keep}")
         self.directory = Path(directory).absolute()
+        self.save_every = save_every
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
-            save_interval_steps=save_every,
+            save_interval_steps=1,  # the interval is applied in save(), so step 0 is not special
             enable_async_checkpointing=async_save,
             create=True,
         )
@@ -45,6 +46,8 @@ class TrainCheckpointer:
 
         ``data_state`` must be JSON-serialisable (e.g. a grain iterator's ``get_state()``).
         """
+        if not force and int(step) % self.save_every:
+            return False
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(dict(data_state or {}))
         )
