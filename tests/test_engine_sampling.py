@@ -1,0 +1,123 @@
+"""Sampling math against NumPy: tempered logprobs, top-k / top-p support, the sampled distribution, seeds."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tmax_jax.engine import sampling
+from tmax_jax.engine.sampling import SamplingParams
+from tmax_jax.errors import ConfigError
+
+
+def np_log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def np_support(logits, t, k, p):
+    """The set of token ids a (temperature t, top-k k, top-p p) sampler may draw, by brute force."""
+    scaled = logits / t
+    order = np.argsort(-scaled, kind="stable")
+    keep = np.ones(len(logits), bool)
+    if k > 0:
+        keep[:] = False
+        keep[order[:k]] = True
+        kth = scaled[order[k - 1]]
+        keep |= scaled >= kth  # ties with the k-th are kept
+    probs = np.exp(np_log_softmax(scaled))
+    if p < 1.0:
+        nucleus = np.zeros(len(logits), bool)
+        mass = 0.0
+        for i in order:
+            if mass < p:
+                nucleus[i] = True
+            mass += probs[i]
+        pth = scaled[order[nucleus[order].sum() - 1]]
+        nucleus |= scaled >= pth
+        keep &= nucleus
+    return set(np.flatnonzero(keep).tolist())
+
+
+@pytest.fixture(scope="module")
+def logits():
+    return np.random.default_rng(0).normal(size=(6, 50)).astype(np.float32) * 2.0
+
+
+def test_token_logprob_matches_numpy(logits):
+    temps = np.array([0.0, 0.5, 1.0, 1.7, 0.0, 3.0], np.float32)
+    toks = np.array([3, 7, 11, 0, 49, 25], np.int32)
+    got = np.asarray(sampling.token_logprob(jnp.asarray(logits), jnp.asarray(toks), jnp.asarray(temps)))
+    for i, (t, tok) in enumerate(zip(temps, toks)):
+        ref = np_log_softmax(logits[i] / (t if t > 0 else 1.0))[tok]
+        np.testing.assert_allclose(got[i], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_rows_take_argmax_and_plain_logprob(logits):
+    n = logits.shape[0]
+    keys = jax.random.split(jax.random.key(0), n)
+    temps = jnp.zeros((n,), jnp.float32)
+    toks, lps = sampling.sample(jnp.asarray(logits), keys, temps, jnp.zeros((n,), jnp.int32), jnp.ones((n,)))
+    np.testing.assert_array_equal(np.asarray(toks), logits.argmax(-1))
+    ref = np_log_softmax(logits)[np.arange(n), logits.argmax(-1)]
+    np.testing.assert_allclose(np.asarray(lps), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "t,k,p", [(1.0, 5, 1.0), (0.7, 0, 0.6), (1.3, 10, 0.8), (1.0, 1, 1.0), (2.0, 0, 0.05)]
+)
+def test_filter_support_matches_numpy(logits, t, k, p):
+    n = logits.shape[0]
+    scaled = jnp.asarray(logits / t)
+    out = np.asarray(sampling.filter_logits(scaled, jnp.full((n,), k), jnp.full((n,), p, jnp.float32)))
+    for i in range(n):
+        assert set(np.flatnonzero(np.isfinite(out[i])).tolist()) == np_support(logits[i], t, k, p)
+
+
+def test_samples_stay_in_support_and_logprob_is_untruncated(logits):
+    n, draws = logits.shape[0], 200
+    t, k, p = 0.9, 8, 0.7
+    keys = jax.random.split(jax.random.key(1), draws * n).reshape(draws, n)
+    fn = jax.jit(jax.vmap(lambda kk: sampling.sample(
+        jnp.asarray(logits), kk, jnp.full((n,), t), jnp.full((n,), k), jnp.full((n,), p)
+    )))  # fmt: skip
+    toks, lps = (np.asarray(x) for x in fn(keys))
+    ref_lp = np_log_softmax(logits / t)
+    for i in range(n):
+        assert set(toks[:, i].tolist()) <= np_support(logits[i], t, k, p)
+        np.testing.assert_allclose(lps[:, i], ref_lp[i, toks[:, i]], rtol=1e-5, atol=1e-5)
+
+
+def test_sampled_frequencies_follow_tempered_softmax():
+    row = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0], np.float32)
+    t, draws = 1.5, 20000
+    keys = jax.random.split(jax.random.key(7), draws)
+    toks, _ = sampling.sample(
+        jnp.tile(row, (draws, 1)),
+        keys,
+        jnp.full((draws,), t),
+        jnp.zeros((draws,), jnp.int32),
+        jnp.ones((draws,)),
+    )
+    freq = np.bincount(np.asarray(toks), minlength=len(row)) / draws
+    probs = np.exp(np_log_softmax(row / t))
+    # 5 standard errors of a binomial proportion: fails for a wrong temperature, not by chance.
+    np.testing.assert_array_less(np.abs(freq - probs), 5 * np.sqrt(probs * (1 - probs) / draws) + 1e-3)
+
+
+def test_step_keys_depend_only_on_seed_and_step():
+    base = jnp.stack([sampling.request_key(3), sampling.request_key(4), sampling.request_key(3)])
+    a = jax.random.key_data(sampling.step_keys(base, jnp.array([0, 0, 0])))
+    b = jax.random.key_data(sampling.step_keys(base, jnp.array([0, 0, 1])))
+    assert np.array_equal(a[0], a[2]) and not np.array_equal(a[0], a[1])
+    assert not np.array_equal(a[2], b[2])
+
+
+@pytest.mark.parametrize(
+    "kwargs,msg",
+    [({"temperature": -1.0}, "temperature"), ({"top_k": -2}, "top_k"), ({"top_p": 0.0}, "top_p"),
+     ({"top_p": 1.5}, "top_p"), ({"seed": 1.5}, "seed")],
+)  # fmt: skip
+def test_bad_sampling_params_are_named(kwargs, msg):
+    with pytest.raises(ConfigError, match=msg):
+        SamplingParams(**kwargs)
