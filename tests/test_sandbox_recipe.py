@@ -1,0 +1,128 @@
+"""Dockerfile subset / Apptainer .def parsing and the content-addressed bwrap layers."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tmax_jax.errors import SandboxError, TaskFormatError
+from tmax_jax.sandbox import SandboxConfig, make_sandbox
+from tmax_jax.sandbox.layers import build_layer
+from tmax_jax.sandbox.recipe import parse_apptainer_def, parse_dockerfile
+
+
+def _df(tmp_path: Path, text: str, files: dict[str, str] | None = None) -> Path:
+    ctx = tmp_path / "env"
+    ctx.mkdir(exist_ok=True)
+    for name, content in (files or {}).items():
+        (ctx / name).parent.mkdir(parents=True, exist_ok=True)
+        (ctx / name).write_text(content)
+    p = ctx / "Dockerfile"
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def test_parse_dockerfile_subset(tmp_path):
+    p = _df(
+        tmp_path,
+        """\
+        # comment
+        ARG VER=3
+        FROM python:3.12-slim AS base
+        ENV A=1 B="two words"
+        ENV LEGACY value with spaces
+        WORKDIR /app
+        COPY --chown=root:root a.txt b.txt /app/
+        RUN echo $A \\
+            && echo v${VER}
+        RUN ["bash", "-c", "echo exec form"]
+        CMD ["python3"]
+        EXPOSE 8000
+        """,
+    )
+    r = parse_dockerfile(p)
+    assert r.base == "python:3.12-slim"
+    kinds = [(s.kind, s.args) for s in r.steps]
+    assert ("env", ("A", "1")) in kinds and ("env", ("B", "two words")) in kinds
+    assert ("env", ("LEGACY", "value with spaces")) in kinds
+    assert ("workdir", ("/app",)) in kinds
+    assert ("copy", ("a.txt", "b.txt", "/app/")) in kinds
+    runs = [s.args[0] for s in r.steps if s.kind == "run"]
+    assert runs[0].split() == ["echo", "$A", "&&", "echo", "v${VER}"]
+    assert runs[1] == "bash -c 'echo exec form'"
+    assert len(r.ignored) == 2
+
+
+@pytest.mark.parametrize(
+    "line, match",
+    [
+        ("VOLUME /data", "VOLUME is not supported by the bwrap backend"),
+        ('SHELL ["/bin/zsh"]', "SHELL is not supported"),
+        ("FROM ubuntu:22.04", "multi-stage"),
+        ("USER nobody", "USER nobody"),
+        ("ADD https://example.com/x.tgz /app/", "URL"),
+        ("COPY --from=builder /x /y", "--from"),
+        ("FROBNICATE now", "unknown Dockerfile instruction 'FROBNICATE'"),
+    ],
+)
+def test_dockerfile_instructions_bwrap_cannot_do(tmp_path, line, match):
+    p = _df(tmp_path, f"FROM ubuntu:24.04\n{line}\n")
+    with pytest.raises(TaskFormatError, match=match) as e:
+        parse_dockerfile(p)
+    assert ":2:" in str(e.value)  # names the line
+
+
+def test_parse_apptainer_def(tmp_path):
+    p = tmp_path / "container.def"
+    p.write_text(
+        "Bootstrap: docker\nFrom: ubuntu:22.04\n\n%files\n    data.txt /opt/data.txt\n%environment\n    export X=1\n%post\n    mkdir -p /home/user\n    echo hi > /home/user/hi\n"
+    )
+    r = parse_apptainer_def(p)
+    assert r.base == "ubuntu:22.04"
+    assert [s.kind for s in r.steps] == ["copy", "env", "run"]
+    assert "echo hi > /home/user/hi" in r.steps[-1].args[0]
+    p.write_text("Bootstrap: docker\n%post\n true\n")
+    with pytest.raises(TaskFormatError, match="From:"):
+        parse_apptainer_def(p)
+
+
+def test_layer_is_built_once_and_rebuilt_on_change(tmp_path):
+    cfg = SandboxConfig(cache_dir=str(tmp_path / "cache"))
+    p = _df(
+        tmp_path,
+        "FROM ubuntu:24.04\nENV GREETING=hello\nWORKDIR /app\nCOPY data/ /app/data/\nRUN cat data/x.txt > copy.txt && echo $GREETING >> copy.txt\n",
+        {"data/x.txt": "one\n"},
+    )
+    img = build_layer(cfg, parse_dockerfile(p))
+    assert img.workdir == "/app" and img.env == {"GREETING": "hello"}
+    again = build_layer(cfg, parse_dockerfile(p))
+    assert again.layer == img.layer  # cache hit: same content, same key
+    with make_sandbox(cfg, image=img) as sb:
+        r = sb.exec("pwd; cat copy.txt; echo $GREETING; ls data")
+        assert r.stdout == "/app\none\nhello\nhello\nx.txt\n"
+        sb.exec("echo tamper > /app/copy.txt")
+    with make_sandbox(cfg, image=img) as sb:  # each sandbox gets its own copy of the layer
+        assert sb.exec("cat /app/copy.txt").stdout == "one\nhello\n"
+    (p.parent / "data" / "x.txt").write_text("two\n")
+    changed = build_layer(cfg, parse_dockerfile(p))
+    assert changed.layer != img.layer
+    with make_sandbox(cfg, image=changed) as sb:
+        assert sb.exec("head -1 /app/copy.txt").stdout == "two\n"
+
+
+def test_layer_errors_name_the_problem(tmp_path):
+    cfg = SandboxConfig(cache_dir=str(tmp_path / "cache"))
+    bad_run = _df(tmp_path, "FROM ubuntu:24.04\nRUN touch /usr/bin/x\n")
+    with pytest.raises(SandboxError, match="RUN touch /usr/bin/x.*read-only"):
+        build_layer(cfg, parse_dockerfile(bad_run))
+    outside = _df(tmp_path, "FROM ubuntu:24.04\nWORKDIR /usr/src/app\n")
+    with pytest.raises(TaskFormatError, match="WORKDIR /usr/src/app is outside the writable paths"):
+        build_layer(cfg, parse_dockerfile(outside))
+    missing = _df(tmp_path, "FROM ubuntu:24.04\nCOPY nothere.txt /app/\n")
+    with pytest.raises(TaskFormatError, match="nothere.txt"):
+        build_layer(cfg, parse_dockerfile(missing))
+    unknown = _df(tmp_path, "FROM ghcr.io/acme/private:1\nRUN true\n")
+    with pytest.raises(SandboxError, match="no local rootfs"):
+        build_layer(cfg, parse_dockerfile(unknown))
