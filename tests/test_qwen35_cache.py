@@ -1,0 +1,210 @@
+"""Decode cache, packing, padding and causality of the JAX Qwen 3.5 (against its own full forward,
+which test_qwen35_parity ties to transformers)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tmax_jax.errors import ConfigError
+from tmax_jax.models.qwen35 import Qwen35Cache, Qwen35Config, Qwen35ForCausalLM
+
+MAX_LEN = 96
+
+
+# Gradient tests compile a backward pass: one DeltaNet + one attention layer keeps that quick.
+SMALL = dict(num_hidden_layers=2, layer_types=("linear_attention", "full_attention"), intermediate_size=64)
+
+
+def perturbed_model(tie: bool, seed: int = 0, small: bool = False, **kw) -> Qwen35ForCausalLM:
+    cfg = Qwen35Config.preset("tiny", tie_word_embeddings=tie, **(SMALL if small else {}))
+    model = Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(seed), **kw)
+    params = nnx.state(model, nnx.Param)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    # Norm weights start at 0 (zero-centred) or 1; move everything so no path is an identity, but keep
+    # the stacked projection matrices ([layers, in, out...]) well conditioned.
+    leaves = [
+        x + jax.random.normal(k, x.shape, x.dtype) * (0.1 if x.ndim <= 2 else 0.03)
+        for x, k in zip(leaves, keys)
+    ]
+    nnx.update(model, jax.tree.unflatten(treedef, leaves))
+    return model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return perturbed_model(tie=True)
+
+
+@pytest.fixture(scope="module")
+def pure(model):
+    """The engine's way: one jitted pure function over nnx.split state."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def run(state, ids, segment_ids, cache):
+        return nnx.merge(graphdef, state)(ids, segment_ids=segment_ids, cache=cache)
+
+    @jax.jit
+    def full(state, ids, segment_ids):
+        return nnx.merge(graphdef, state)(ids, segment_ids=segment_ids)
+
+    return state, run, full
+
+
+def test_prefill_then_decode_equals_full_forward_with_different_row_lengths(model, pure):
+    state, run, full = pure
+    rng = np.random.default_rng(0)
+    lens = np.array([70, 50])
+    steps = 6
+    total = 76
+    ids = rng.integers(0, 512, (2, total)).astype(np.int32)
+    seg_full = (np.arange(total)[None] < (lens[:, None] + steps)).astype(np.int32)
+    ref = np.asarray(full(state, ids, seg_full))
+
+    prompt = np.where(np.arange(70)[None] < lens[:, None], ids[:, :70], 0).astype(np.int32)
+    seg = (np.arange(70)[None] < lens[:, None]).astype(np.int32)
+    cache = model.init_cache(2, MAX_LEN, dtype=jnp.float32)
+    logits, cache = run(state, prompt, seg, cache)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), lens)
+    for b in range(2):
+        np.testing.assert_allclose(np.asarray(logits)[b, : lens[b]], ref[b, : lens[b]], atol=2e-5, rtol=1e-4)
+    for s in range(steps):
+        tok = ids[np.arange(2), lens + s][:, None]
+        logits, cache = run(state, tok, np.ones((2, 1), np.int32), cache)
+        np.testing.assert_allclose(
+            np.asarray(logits)[:, 0], ref[np.arange(2), lens + s], atol=2e-5, rtol=1e-4
+        )
+    np.testing.assert_array_equal(np.asarray(cache.lengths), lens + steps)
+    assert cache.recurrent.dtype == jnp.float32
+
+
+def test_multi_turn_prefill_on_top_of_a_cache_then_decode(model, pure):
+    """Second turn (T > 1) prefills only its new tokens from the cached state (chunked form)."""
+    state, run, full = pure
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, 512, (2, 76)).astype(np.int32)
+    ref = np.asarray(full(state, ids, np.ones((2, 76), np.int32)))
+    cache = model.init_cache(2, MAX_LEN, dtype=jnp.float32)
+    _, cache = run(state, ids[:, :6], np.ones((2, 6), np.int32), cache)
+    logits, cache = run(state, ids[:, 6:76], np.ones((2, 70), np.int32), cache)
+    np.testing.assert_allclose(np.asarray(logits), ref[:, 6:76], atol=2e-5, rtol=1e-4)
+
+
+def test_right_padding_leaves_the_cache_exactly_as_the_unpadded_prefill(model, pure):
+    state, run, _ = pure
+    rng = np.random.default_rng(2)
+    ids = rng.integers(0, 512, (2, 70)).astype(np.int32)
+    seg_pad = np.ones((2, 70), np.int32)
+    seg_pad[1, 50:] = 0
+    _, padded = run(state, ids, seg_pad, model.init_cache(2, MAX_LEN, dtype=jnp.float32))
+    short = np.stack([ids[0], np.concatenate([ids[1, :50], ids[1, :20]])])  # other filler, same shape
+    seg_short = seg_pad.copy()
+    _, other = run(state, short, seg_short, model.init_cache(2, MAX_LEN, dtype=jnp.float32))
+    # Different pad *contents* give the same cache: pads are no-ops.
+    for name in ("lengths", "k", "v", "conv", "recurrent"):
+        np.testing.assert_array_equal(
+            np.asarray(getattr(padded, name)), np.asarray(getattr(other, name)), name
+        )
+    # And the padded row's cache equals that of prefilling just its 50 valid tokens (cache dims
+    # kept equal by padding row 0 the same way).
+    _, unpadded = run(
+        state,
+        np.stack([ids[1], ids[1]]).astype(np.int32)[:, :70],
+        np.array([[1] * 50 + [0] * 20, [1] * 50 + [0] * 20], np.int32),
+        model.init_cache(2, MAX_LEN, dtype=jnp.float32),
+    )
+    np.testing.assert_allclose(
+        np.asarray(padded.recurrent[:, 1]), np.asarray(unpadded.recurrent[:, 0]), atol=1e-6
+    )
+    np.testing.assert_allclose(np.asarray(padded.conv[:, 1]), np.asarray(unpadded.conv[:, 0]), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(padded.k[:, 1, :50]), np.asarray(unpadded.k[:, 0, :50]), atol=1e-6)
+    assert not np.asarray(padded.k[:, 1, 50:]).any(), "pads must not be written to the KV cache"
+
+
+def test_packed_segments_equal_separate_forwards(model, pure):
+    state, _, full = pure
+    rng = np.random.default_rng(3)
+    bounds = [(0, 20), (20, 60), (60, 76)]
+    ids = rng.integers(0, 512, (2, 76)).astype(np.int32)
+    seg = np.zeros((2, 76), np.int32)
+    for i, (lo, hi) in enumerate(bounds):
+        seg[0, lo:hi] = i + 1
+    seg[1, :] = 1
+    packed = np.asarray(full(state, ids, seg))
+    for lo, hi in bounds:
+        row = np.zeros((2, 76), np.int32)
+        row[0, : hi - lo] = ids[0, lo:hi]
+        alone_seg = np.zeros((2, 76), np.int32)
+        alone_seg[0, : hi - lo] = 1
+        alone = np.asarray(full(state, row, alone_seg))
+        np.testing.assert_allclose(packed[0, lo:hi], alone[0, : hi - lo], atol=2e-5, rtol=1e-4)
+
+
+def test_no_gradient_flows_from_later_tokens_to_earlier_logits():
+    model = perturbed_model(tie=False, seed=4, small=True)
+    T, t = 70, 40
+    ids = jnp.asarray(np.random.default_rng(4).permutation(512)[:T][None].astype(np.int32))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params):
+        m = nnx.merge(graphdef, params, rest)
+        return m(ids)[:, : t + 1].sum()
+
+    grads = jax.jit(jax.grad(loss))(params)
+    g_embed = np.asarray(grads["embed_tokens"][...])
+    later, earlier = np.asarray(ids[0, t + 1 :]), np.asarray(ids[0, : t + 1])
+    assert not g_embed[later].any(), "logits at t depend on tokens after t"
+    assert (np.abs(g_embed[earlier]).sum(-1) > 0).all()
+
+
+def test_remat_changes_neither_logits_nor_gradients():
+    ids = jnp.asarray(np.random.default_rng(5).integers(0, 512, (1, 70)).astype(np.int32))
+
+    def value_and_grad(model):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        f = jax.jit(jax.value_and_grad(lambda p: nnx.merge(graphdef, p, rest)(ids).std()))
+        return f(params)
+
+    v0, g0 = value_and_grad(perturbed_model(tie=True, seed=5, small=True))
+    for remat in ("full", "dots"):
+        v1, g1 = value_and_grad(perturbed_model(tie=True, seed=5, small=True, remat=remat))
+        np.testing.assert_allclose(v0, v1, rtol=1e-6, err_msg=remat)
+        for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5, err_msg=remat)
+
+
+def test_cache_layout_reset_rows_and_pytree(model):
+    cfg = model.config
+    cache = model.init_cache(3, 32, dtype=jnp.bfloat16)
+    assert isinstance(cache, Qwen35Cache)
+    assert cache.k.shape == (cfg.num_full_layers, 3, 32, cfg.num_key_value_heads, cfg.head_dim)
+    assert cache.conv.shape == (cfg.num_linear_layers, 3, cfg.conv_dim, cfg.linear_conv_kernel_dim)
+    assert cache.recurrent.shape[1:] == (3, cfg.linear_num_value_heads, cfg.linear_key_head_dim, 16)
+    assert cache.k.dtype == jnp.bfloat16 and cache.recurrent.dtype == jnp.float32
+    filled = dataclasses.replace(
+        cache,
+        lengths=jnp.array([5, 6, 7], jnp.int32),
+        k=jnp.ones_like(cache.k),
+        recurrent=jnp.ones_like(cache.recurrent),
+    )
+    reset = jax.jit(lambda c, r: c.reset_rows(r))(filled, jnp.array([False, True, False]))
+    np.testing.assert_array_equal(np.asarray(reset.lengths), [5, 0, 7])
+    assert not np.asarray(reset.k[:, 1], np.float32).any() and np.asarray(reset.k[:, 0], np.float32).all()
+    assert not np.asarray(reset.recurrent[:, 1]).any() and np.asarray(reset.recurrent[:, 2]).all()
+    assert len(jax.tree.leaves(cache)) == 5
+
+
+def test_bad_inputs_are_named_errors(model):
+    with pytest.raises(ValueError, match="input_ids must be an integer array"):
+        model(jnp.zeros((4,), jnp.int32))
+    with pytest.raises(ValueError, match="segment_ids shape"):
+        model(jnp.zeros((1, 4), jnp.int32), segment_ids=jnp.ones((1, 5), jnp.int32))
+    with pytest.raises(ValueError, match="cache batch size"):
+        model(jnp.zeros((1, 4), jnp.int32), cache=model.init_cache(2, 8))
+    with pytest.raises(ConfigError, match="remat"):
+        Qwen35ForCausalLM(model.config, rngs=nnx.Rngs(0), remat="sometimes")
