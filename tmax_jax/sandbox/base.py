@@ -162,6 +162,8 @@ class Sandbox(abc.ABC):
             host_argv, timeout=timeout, cap=cap, stdin=stdin, on_kill=self._on_kill, cap_stdout=cap_stdout
         )
         self.exec_durations.append(got.duration_s)
+        if self._closed:
+            raise SandboxError(f"sandbox {self.id} was closed while the command ran")
         return got
 
     def shell(self, env: Mapping[str, str] | None = None, cwd: str | None = None):

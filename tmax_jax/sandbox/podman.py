@@ -60,6 +60,7 @@ class PodmanSandbox(Sandbox):
             f"--pids-limit={cfg.pids_max}", f"--memory={cfg.memory_mb}m", f"--memory-swap={cfg.memory_mb}m",
             f"--cpus={cfg.cpus}", "--tmpfs", f"/tmp:rw,size={cfg.disk_mb}m,mode=1777",
             "--hostname", "tmax-sandbox", "--security-opt", "no-new-privileges",
+            "--init",  # catatonit as pid 1 reaps what a kill orphans
         ]  # fmt: skip
         if cfg.podman_read_only:
             args.append("--read-only")

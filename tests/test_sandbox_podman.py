@@ -1,0 +1,108 @@
+"""Podman backend on this machine (runc, --network none, local base image); skipped where podman
+cannot run containers, with the reason."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from sandbox_helpers import pid_ns, procs_in_ns
+
+from tmax_jax.sandbox import SandboxConfig, make_sandbox
+from tmax_jax.sandbox.podman_images import ensure_base_image, podman_available
+from tmax_jax.tasks import load_task
+from tmax_jax.tasks.runner import run_task
+
+TASKS = Path(__file__).parent / "tasks"
+OK, WHY = podman_available()
+pytestmark = [pytest.mark.podman, pytest.mark.skipif(not OK, reason=WHY)]
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    # The default cache dir: the base image (host-derived rootfs) is built once per machine.
+    c = SandboxConfig(backend="podman", exec_timeout_s=60, pids_max=128, memory_mb=512, disk_mb=64)
+    tag = ensure_base_image(c)
+    r = subprocess.run(
+        [
+            "podman",
+            "run",
+            "--rm",
+            "--runtime",
+            "runc",
+            "--network",
+            "none",
+            "--ulimit=nofile=20000:20000",
+            "--ulimit=nproc=4096:4096",
+            tag,
+            "true",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if r.returncode != 0:
+        pytest.skip(f"podman cannot run containers here: {r.stderr.strip()[-300:]}")
+    return c
+
+
+def _containers(name: str) -> str:
+    return subprocess.run(
+        ["podman", "ps", "-a", "--filter", f"name={name}", "--format", "{{.Names}}"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+
+
+def test_podman_exec_shell_files_and_isolation(cfg, tmp_path):
+    with make_sandbox(cfg) as sb:
+        name = sb.name
+        r = sb.exec("cat; echo $FOO; pwd", stdin="in\n", env={"FOO": "bar"}, cwd="/tmp")
+        assert r.stdout == "in\nbar\n/tmp\n"
+        sh = sb.shell()
+        sh.run("cd /tmp; export A=7")
+        assert sh.run("pwd; echo $A").stdout == "/tmp\n7\n"
+        r = sh.run("sleep 60", timeout=1)
+        assert r.timed_out and sh.run("echo ok").stdout == "ok\n"
+        r = sb.exec("sleep 60 & sleep 60", timeout=1)
+        assert r.timed_out
+        alive = "ps -eo stat=,comm= | awk '$2 == \"sleep\" && $1 !~ /Z/' | wc -l"
+        assert sb.exec(alive).stdout.strip() == "1"  # only the container's own ``sleep infinity``
+        assert sb.exec("ps -eo stat= | grep -c Z || true").stdout.strip() == "0"  # and init reaped the rest
+        r = sb.exec("head -c 1G /dev/zero", max_output_bytes=50_000)
+        assert r.truncated and len(r.stdout) == 50_000
+        (tmp_path / "f.txt").write_text("payload")
+        sb.upload(tmp_path / "f.txt", "/app/f.txt")
+        assert sb.read_file("/app/f.txt") == b"payload"
+        code = "import socket\ntry:\n socket.create_connection(('1.1.1.1', 53), timeout=2); print('net')\nexcept OSError: print('nonet')"
+        assert sb.exec(["python3", "-c", code]).stdout == "nonet\n"
+        assert int(sb.exec("ulimit -n").stdout) == 20000
+        assert _containers(name) == name
+    assert _containers(name) == ""
+
+
+def test_podman_fork_bomb_is_bounded_and_removed(cfg):
+    with make_sandbox(cfg) as sb:
+        name = sb.name
+        pid = int(
+            subprocess.run(
+                ["podman", "inspect", "-f", "{{.State.Pid}}", name], capture_output=True, text=True
+            ).stdout
+        )
+        ns = pid_ns(pid)
+        sb.exec(":(){ :|:& };:", timeout=3)
+        time.sleep(1.0)
+        assert 10 < len(procs_in_ns(ns)) <= cfg.pids_max
+    assert _containers(name) == ""
+    assert procs_in_ns(ns) == []
+
+
+@pytest.mark.parametrize("task", ["harbor_csv_sum", "tmax_log_errors"])
+def test_podman_example_tasks(cfg, task):
+    t = load_task(TASKS / task)
+    good = run_task(t, "oracle", cfg)
+    assert (good.reward, good.passed) == (1.0, True), good.reason + good.verifier_log
+    bad = run_task(t, None, cfg)
+    assert bad.reward == 0.0 and bad.reason == "verifier failed"
