@@ -183,6 +183,7 @@ class Orchestrator:
         self._decode_state = engine.init_decode_state()
         self._slots: list[_Live | None] = [None] * engine.max_concurrent_decodes
         self.steps = 0
+        self._prefilling = 0
         self._error: BaseException | None = None
         self._threads = [
             threading.Thread(target=self._guard(self._prefill_loop), name="tmax-prefill", daemon=True),
@@ -332,7 +333,11 @@ class Orchestrator:
             if handle.cancelled:
                 handle._finish("cancelled")
                 continue
-            prefix, token, logprob, version = self._prefill_one(handle)
+            self._prefilling += 1
+            try:
+                prefix, token, logprob, version = self._prefill_one(handle)
+            finally:
+                self._prefilling -= 1
             handle._emit(token, logprob, version)
             live = _Live(handle, [int(t) for t in handle.request.prompt], self._stop_ids(handle.request))
             reason, stop_string = self._finish_reason(live, prefix.length)
@@ -374,16 +379,20 @@ class Orchestrator:
             self._sessions[sid] = _Session(tokens=tokens, prefix=prefix)
 
     def _admit(self) -> None:
-        """Fill free slots with prefilled requests; wait for one only when nothing is decoding."""
+        """Fill free slots with prefilled requests. Waits for one when nothing is decoding, or when a
+        prefill is pending (as JetStream's interleaved mode: a free slot is worth more than one step)."""
         eng = self.engine
         while True:
             free = [i for i, s in enumerate(self._slots) if s is None]
             if not free:
                 return
             idle = len(free) == len(self._slots)
+            pending = self._prefilling > 0 or not self._requests.empty()
             try:
-                item = self._prefilled.get(block=idle, timeout=0.05 if idle else None)
+                item = self._prefilled.get(block=idle or pending, timeout=0.05)
             except queue.Empty:
+                if pending and not idle:
+                    continue
                 return
             if item is None:
                 self._live = False
