@@ -17,7 +17,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tmax_jax import sharding as shd
-from tmax_jax.rl.config import RLConfig
+from tmax_jax.rl.config import LossConfig, RLConfig
 from tmax_jax.rl.logprobs import token_logprobs
 from tmax_jax.rl.losses import combine_stats, finalize_stats, loss_normalizer, loss_terms
 from tmax_jax.rl.optim import learning_rate_schedule, make_optimizer
@@ -118,31 +118,9 @@ class TrainStep:
 
     # -- the step -----------------------------------------------------------------------------------
     def _micro_loss(self, params, mb, normalizer):
-        lc = self.cfg.loss
         model = nnx.merge(self.graphdef, params, self.rest)
-        hidden_BxTxD = model.hidden_states(
-            mb["input_ids"], positions=mb["positions"], segment_ids=mb["segment_ids"]
-        )
-        hidden_BxTxD = jax.lax.with_sharding_constraint(
-            hidden_BxTxD, NamedSharding(self.mesh, PartitionSpec(shd.BATCH_AXES, None, None))
-        )
-        logprobs_BxT = token_logprobs(
-            hidden_BxTxD,
-            model.lm_head_weight(),
-            mb["targets"],
-            temperature=lc.temperature,
-            chunk_size=lc.logprob_chunk,
-        )
-        loss_sum, stats = loss_terms(
-            lc.name,
-            lc,
-            logprobs_BxT,
-            mb["rollout_logprobs"],
-            mb["advantages"],
-            mb["response_mask"],
-            mb["segment_ids"],
-        )
-        return loss_sum / normalizer, stats
+        hidden_sharding = NamedSharding(self.mesh, PartitionSpec(shd.BATCH_AXES, None, None))
+        return batch_loss(model, mb, self.cfg.loss, normalizer, hidden_sharding=hidden_sharding)
 
     def _step(self, state: TrainState, batch):
         M = self.micro_batches
@@ -187,6 +165,32 @@ class TrainStep:
         }
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)
         return new_state, metrics
+
+
+def batch_loss(model, mb: Mapping, loss_cfg: LossConfig, normalizer, *, hidden_sharding=None):
+    """(loss, stat sums) of one (micro-)batch: the model's float32 token logprobs fed to the policy loss."""
+    hidden_BxTxD = model.hidden_states(
+        mb["input_ids"], positions=mb["positions"], segment_ids=mb["segment_ids"]
+    )
+    if hidden_sharding is not None:
+        hidden_BxTxD = jax.lax.with_sharding_constraint(hidden_BxTxD, hidden_sharding)
+    logprobs_BxT = token_logprobs(
+        hidden_BxTxD,
+        model.lm_head_weight(),
+        mb["targets"],
+        temperature=loss_cfg.temperature,
+        chunk_size=loss_cfg.logprob_chunk,
+    )
+    loss_sum, stats = loss_terms(
+        loss_cfg.name,
+        loss_cfg,
+        logprobs_BxT,
+        mb["rollout_logprobs"],
+        mb["advantages"],
+        mb["response_mask"],
+        mb["segment_ids"],
+    )
+    return loss_sum / normalizer, stats
 
 
 def abstract_train_state(optimizer, params, state_shardings: TrainState) -> TrainState:
