@@ -18,6 +18,7 @@ COMMAND_MODULES: list[str] = [
     "serve",
     "eval",
     "run_task",
+    "plan",
 ]
 
 
