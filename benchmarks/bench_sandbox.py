@@ -104,7 +104,11 @@ def main() -> None:
                     print(f"[podman] skipped: {why}")
                     continue
                 cfg = SandboxConfig(backend="podman")  # default cache: the base image is reused
-                n_start, n_exec, episodes = max(3, args.n_start // 4), max(10, args.n_exec // 5), max(8, args.episodes // 4)
+                n_start, n_exec, episodes = (
+                    max(3, args.n_start // 4),
+                    max(10, args.n_exec // 5),
+                    max(8, args.episodes // 4),
+                )
             else:
                 cfg = SandboxConfig(backend=backend, cache_dir=cache)
                 n_start, n_exec, episodes = args.n_start, args.n_exec, args.episodes

@@ -19,7 +19,9 @@ from pathlib import Path
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", type=Path, help="directory to create")
-    p.add_argument("--debootstrap", action="store_true", help="use debootstrap instead of the host's binaries")
+    p.add_argument(
+        "--debootstrap", action="store_true", help="use debootstrap instead of the host's binaries"
+    )
     p.add_argument("--suite", default="bookworm", help="Debian suite for --debootstrap")
     p.add_argument("--mirror", default="http://deb.debian.org/debian", help="Debian mirror for --debootstrap")
     p.add_argument("--podman-tag", help="also import the rootfs into podman under this tag")
