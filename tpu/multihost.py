@@ -33,11 +33,24 @@ def _env_int(name: str) -> int | None:
 def initialize() -> None:
     import jax
 
+    from tmax_jax.distributed import DistributedConfig
+    from tmax_jax.distributed import initialize as join
+
     num_processes = _env_int("JAX_NUM_PROCESSES")
     process_id = _env_int("JAX_PROCESS_ID")
     if (num_processes is None) != (process_id is None):
         sys.exit("multihost.py: set both JAX_NUM_PROCESSES and JAX_PROCESS_ID, or neither (auto-detect)")
-    jax.distributed.initialize(num_processes=num_processes, process_id=process_id)
+    if num_processes is None:
+        cfg = DistributedConfig(mode="auto")
+    else:
+        address = os.environ.get("JAX_COORDINATOR_ADDRESS")
+        if not address:
+            sys.exit("multihost.py: JAX_NUM_PROCESSES/JAX_PROCESS_ID need JAX_COORDINATOR_ADDRESS=host:port")
+        cfg = DistributedConfig(
+            mode="explicit", coordinator_address=address, num_processes=num_processes, process_id=process_id
+        )
+    # Through tmax_jax.distributed, so a command that joins again from its config is a no-op.
+    join(cfg)
     print(
         f"[process {jax.process_index()}/{jax.process_count()}] "
         f"{jax.local_device_count()} local of {jax.device_count()} devices ({jax.devices()[0].platform})",
