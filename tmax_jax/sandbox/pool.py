@@ -75,6 +75,7 @@ class SandboxPool:
         self._in_flight = 0
         self.metrics = PoolMetrics()
         self.swept = registry.sweep_stale(self.cfg.resolved_run_dir)
+        registry.install_handlers()
         self._closed = False
 
     # ---- sandboxes -------------------------------------------------------------------------------

@@ -22,7 +22,13 @@ from tmax_jax.sandbox.procs import pid_alive
 _LIVE: dict = {}
 _LOCK = threading.Lock()
 _INSTALLED = False
+_ATEXIT = False
 _PREVIOUS: dict[int, object] = {}
+
+
+def install_handlers() -> None:
+    """Called by SandboxPool (usually built in the main thread) and on each sandbox start."""
+    _install()
 
 
 def register(sb) -> None:
@@ -62,12 +68,16 @@ def _on_signal(signum, frame):
 
 
 def _install() -> None:
-    global _INSTALLED
+    """atexit once; signal handlers as soon as we are called from the main thread (Python only
+    lets the main thread set them, and the first sandbox may well start in a pool worker)."""
+    global _INSTALLED, _ATEXIT
+    if not _ATEXIT:
+        _ATEXIT = True
+        atexit.register(close_all)
     if _INSTALLED:
         return
-    _INSTALLED = True
-    atexit.register(close_all)
     if threading.current_thread() is threading.main_thread():
+        _INSTALLED = True
         for s in (signal.SIGINT, signal.SIGTERM):
             prev = signal.getsignal(s)
             # Keep Python's default SIGINT behaviour (KeyboardInterrupt) after our cleanup.
