@@ -128,10 +128,10 @@ def hf_logits(model_or_path, input_ids: np.ndarray, attention_mask: np.ndarray |
     import torch
 
     model = load_hf_torch(model_or_path) if isinstance(model_or_path, (str, Path)) else model_or_path
-    ids = torch.as_tensor(np.asarray(input_ids), dtype=torch.long)
+    ids = torch.as_tensor(np.array(input_ids), dtype=torch.long)
     kwargs = {}
     if attention_mask is not None:
-        kwargs["attention_mask"] = torch.as_tensor(np.asarray(attention_mask), dtype=torch.long)
+        kwargs["attention_mask"] = torch.as_tensor(np.array(attention_mask), dtype=torch.long)
     with torch.no_grad():
         return model(input_ids=ids, **kwargs).logits.float().numpy()
 
