@@ -19,6 +19,8 @@ COMMAND_MODULES: list[str] = [
     "eval",
     "run_task",
     "plan",
+    "init_tiny",
+    "generate",
 ]
 
 
