@@ -133,6 +133,10 @@ class Qwen35Config:
         key = name.lower()
         if key not in PRESETS:
             raise ConfigError(f"unknown Qwen 3.5 preset {name!r}; known: {sorted(PRESETS)}")
+        if (
+            "num_hidden_layers" in overrides or "full_attention_interval" in overrides
+        ) and "layer_types" not in overrides:
+            overrides["layer_types"] = ()  # re-derive the pattern for the new depth / interval
         return dataclasses.replace(PRESETS[key], **overrides)
 
     # HF conversion -------------------------------------------------------------------------------
