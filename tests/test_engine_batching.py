@@ -280,3 +280,19 @@ def test_generate_thread_survives_many_threads_submitting(orch):
         t.join(60)
     assert sorted(results) == list(range(8))
     assert all(len(r.tokens) == 5 for r in results.values())
+
+
+def test_engine_policy_runs_turns_on_cached_state(model, orch):
+    from tmax_jax.engine.session import EnginePolicy
+
+    rng = np.random.default_rng(2)
+    with EnginePolicy(orch, sampling=SamplingParams(temperature=1.0, seed=8)) as policy:
+        first = rand_prompt(rng, 12)
+        g1 = policy(first, max_new_tokens=5)
+        second = rand_prompt(rng, 6)
+        g2 = policy(second, max_new_tokens=5)
+        assert policy.cached_tokens == [0, len(first) + len(g1.tokens) - 1]
+        assert g1.versions and g2.finish_reason == "length"
+        context = first + g1.tokens + second
+        np.testing.assert_allclose(g2.logprobs, trainer_logprobs(model, context, g2.tokens, 1.0), atol=3e-5)
+    assert policy.session_id not in orch._sessions

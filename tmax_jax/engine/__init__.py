@@ -13,6 +13,7 @@ from tmax_jax.engine.orchestrator import (
     TokenEvent,
 )
 from tmax_jax.engine.sampling import SamplingParams
+from tmax_jax.engine.session import EnginePolicy
 
 __all__ = [
     "Completion",
@@ -20,6 +21,7 @@ __all__ = [
     "Engine",
     "EngineAPI",
     "EngineBusy",
+    "EnginePolicy",
     "Orchestrator",
     "Prefix",
     "Request",

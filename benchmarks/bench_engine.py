@@ -1,0 +1,151 @@
+"""Decode throughput and time-to-first-token: the tmax-jax engine vs transformers ``generate``.
+
+Columns: ``engine tok/s`` = all generated tokens / wall time of the whole batch through the
+orchestrator (prefills included); ``decode tok/s`` = the same once every request has its first
+token (continuous decoding); ``step-only`` = the jitted generate step alone; speedups are against
+transformers' generate tokens/s (prefill included) on the same prompts.
+
+Same random Qwen 3.5 weights (built with transformers, loaded into JAX via tmax_jax.checkpoints),
+same prompts, greedy, every sequence generating exactly ``--new`` tokens, measured in one run:
+
+    python benchmarks/bench_engine.py                       # ~9M-parameter model, CPU
+    python benchmarks/bench_engine.py --preset 0.8b --dtype bfloat16 --concurrency 64 --skip-hf   # accelerator
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+SMALL = dict(
+    vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=64, linear_conv_kernel_dim=4, linear_key_head_dim=32,
+    linear_value_head_dim=32, linear_num_key_heads=4, linear_num_value_heads=8, tie_word_embeddings=True,
+    max_position_embeddings=4096,
+)  # fmt: skip
+
+
+def hf_model(cfg: dict):
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(0)
+    return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**cfg)).float().eval()
+
+
+def bench_hf(model, prompts: np.ndarray, new: int) -> tuple[float, float]:
+    """(decode tokens/s, time to first token in s) for one batch of equal-length prompts."""
+    import torch
+
+    ids = torch.as_tensor(prompts, dtype=torch.long)
+    mask = torch.ones_like(ids)
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=mask)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
+        wall = time.perf_counter() - t0
+    assert out.shape[1] == prompts.shape[1] + new
+    return prompts.shape[0] * new / wall, ttft
+
+
+def bench_engine(model, prompts: np.ndarray, new: int, cache_dtype) -> dict:
+    from tmax_jax.engine import Engine, Orchestrator, Request, SamplingParams
+
+    c, plen = prompts.shape
+    engine = Engine(
+        model, max_concurrent_decodes=c, max_cache_length=plen + new + 8, max_prefill_length=plen,
+        cache_dtype=cache_dtype, eos_token_ids=(),
+    )  # fmt: skip
+    greedy = SamplingParams(temperature=0.0)
+    reqs = [Request(prompt=p.tolist(), max_tokens=new, sampling=greedy) for p in prompts]
+    with Orchestrator(engine) as orch:
+        orch.generate(reqs[:1] + [Request(prompt=reqs[0].prompt, max_tokens=3, sampling=greedy)])  # compile
+        t0 = time.perf_counter()
+        outs = orch.generate(reqs)
+        t_end = time.perf_counter()
+        wall = t_end - t0
+        # Decode phase: from the moment the last request got its first token (all slots busy).
+        decode_start = max(t0 + o.ttft_s for o in outs)
+        one = orch.submit(Request(prompt=reqs[0].prompt, max_tokens=1, sampling=greedy)).result()
+    assert all(len(o.tokens) == new for o in outs)
+    # The jitted step alone, without the orchestrator's per-token host work.
+    params, state = engine.params, engine.init_decode_state()
+    prefix, _ = engine.prefill(params=params, padded_tokens=prompts[0], true_length=plen, max_tokens=10**6)
+    for s in range(c):
+        state = engine.insert(prefix, state, s)
+    state, res = engine.generate(params, state)
+    res.data.block_until_ready()
+    steps = 32
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        state, res = engine.generate(params, state)
+    res.data.block_until_ready()
+    step_s = (time.perf_counter() - t0) / steps
+    return dict(
+        tok_s=c * new / wall,
+        decode_tok_s=c * (new - 1) / max(t_end - decode_start, 1e-9),
+        ttft=one.ttft_s,
+        ttft_in_batch=statistics.median(o.ttft_s for o in outs),
+        step_tok_s=c / step_s,
+        step_ms=step_s * 1e3,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prompt-len", type=int, default=48)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument(
+        "--preset", default=None, help="a Qwen35Config preset (random weights) instead of the ~9M model"
+    )
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--skip-hf", action="store_true", help="engine only (large presets)")
+    args = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from tmax_jax.checkpoints import load_hf
+    from tmax_jax.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
+
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    hf = None
+    if args.preset:
+        cfg = Qwen35Config.preset(args.preset)
+        model = Qwen35ForCausalLM(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+        vocab = cfg.vocab_size
+    else:
+        hf = hf_model(SMALL)
+        with tempfile.TemporaryDirectory() as d:
+            hf.save_pretrained(d)
+            model = load_hf(d, args.dtype)
+        vocab = SMALL["vocab_size"]
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    print(f"model: {args.preset or '~9M test shape'}, {n_params / 1e6:.1f}M params, {args.dtype}, "
+          f"devices: {jax.devices()[0].platform} x{jax.device_count()}, prompt {args.prompt_len}, new {args.new}")  # fmt: skip
+    rng = np.random.default_rng(0)
+    print(f"{'conc':>5} {'engine tok/s':>13} {'decode tok/s':>13} {'step-only tok/s':>16} {'step ms':>8} "
+          f"{'TTFT ms':>8} {'HF tok/s':>9} {'HF TTFT ms':>11} {'speedup':>8} {'decode speedup':>15}")  # fmt: skip
+    for c in args.concurrency:
+        prompts = rng.integers(0, vocab, size=(c, args.prompt_len)).astype(np.int32)
+        e = bench_engine(model, prompts, args.new, dtype)
+        h_tok, h_ttft = (
+            bench_hf(hf, prompts, args.new) if hf is not None and not args.skip_hf else (float("nan"),) * 2
+        )
+        print(f"{c:>5} {e['tok_s']:>13.0f} {e['decode_tok_s']:>13.0f} {e['step_tok_s']:>16.0f} {e['step_ms']:>8.2f} "
+              f"{e['ttft'] * 1e3:>8.1f} {h_tok:>9.0f} {h_ttft * 1e3:>11.1f} {e['tok_s'] / h_tok:>7.1f}x "
+              f"{e['decode_tok_s'] / h_tok:>14.1f}x")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
