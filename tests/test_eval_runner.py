@@ -118,6 +118,8 @@ def test_oracle_scores_one_and_writes_reports(task_set, tmp_path):
 
     saved = json.loads((out / "summary.json").read_text())
     assert saved["overall"] == o
+    # Sandboxes came from the pool, never more alive than the concurrency.
+    assert 1 <= saved["sandbox_pool"]["in_flight_max"] <= 2 and not saved["sandbox_pool"]["failures"]
     page = (out / "report.html").read_text()
     assert "<svg" in page and "needs-network" in page and "environment unavailable" in page
     adir = out / "tasks" / "shout" / "attempt-0"

@@ -15,6 +15,7 @@ runner starts and closes it), so ``concurrency`` bounds the live sandboxes.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import json
@@ -171,8 +172,6 @@ def evaluate(
     task runner's SandboxConfig (backend, rootfs); ``run_attempt`` replaces the task runner.
     """
     out_dir = Path(out_dir)
-    if run_attempt is None:
-        run_attempt = functools.partial(harbor_attempt, sandbox_cfg=sandbox_cfg)
     tasks = find_eval_tasks(tasks_dir, network=cfg.network)
     ident = {
         "agent": agent.name,
@@ -200,16 +199,27 @@ def evaluate(
     )
     t0 = time.monotonic()
     done = 0
-    with concurrent.futures.ThreadPoolExecutor(
-        max_workers=cfg.concurrency, thread_name_prefix="eval"
-    ) as pool:
-        futures = {pool.submit(_run_one, t, a, agent, out_dir, run_attempt): (t, a) for t, a in pending}
+    spool = None
+    if run_attempt is None:
+        from tmax_jax.sandbox import SandboxConfig, SandboxPool
+
+        # The pool bounds live sandboxes to the concurrency, records their metrics and, on an
+        # exception or Ctrl-C, kills them so in-flight attempts end at once (and are re-run on resume).
+        spool = SandboxPool(sandbox_cfg or SandboxConfig(), size=cfg.concurrency)
+        run_attempt = functools.partial(harbor_attempt, sandbox_cfg=sandbox_cfg, pool=spool)
+    with (
+        concurrent.futures.ThreadPoolExecutor(
+            max_workers=cfg.concurrency, thread_name_prefix="eval"
+        ) as workers,
+        spool if spool is not None else contextlib.nullcontext(),
+    ):
+        futures = {workers.submit(_run_one, t, a, agent, out_dir, run_attempt): (t, a) for t, a in pending}
         try:
             for fut in concurrent.futures.as_completed(futures):
                 rec = fut.result()
                 results.add(rec)
                 done += 1
-                note = f" ({rec.reason[:120]})" if rec.status == "error" else ""
+                note = f" ({rec.reason[:120]})" if rec.status in ("error", "env_unavailable") else ""
                 log(
                     f"[{done}/{len(pending)}] {rec.task_id} #{rec.attempt}: {rec.status} "
                     f"reward {rec.reward:.2f} in {rec.duration_s:.1f}s{note}"
@@ -225,6 +235,11 @@ def evaluate(
         cfg.k,
         meta={**ident, "attempts_run": done, "attempts_skipped": skipped, "elapsed_s": round(elapsed, 3)},
     )
+    if spool is not None:
+        # NaN (no samples) is not JSON: report it as null.
+        summary["sandbox_pool"] = {
+            k: (None if isinstance(v, float) and v != v else v) for k, v in spool.metrics.summary().items()
+        }
     for row in summary["tasks"]:
         row["log_dir"] = f"tasks/{row['task_id']}"
     write_reports(out_dir, summary)
