@@ -133,3 +133,24 @@ def test_cli_eval_oracle_and_bad_options(one_task, tmp_path, capsys):
     assert "--model" in capsys.readouterr().err
     assert cli_main(["eval", "--tasks", str(one_task)]) == 2
     assert "choose what to evaluate" in capsys.readouterr().err
+
+
+def test_endpoint_agent_terminus_keystrokes_in_a_real_shell():
+    agent = EndpointAgent("http://127.0.0.1:9", "m", AgentConfig(harness="terminus"))
+    reply = json.dumps(
+        {
+            "analysis": "need the file",
+            "plan": "write it, then show it",
+            "commands": [
+                {"keystrokes": "cd /app && echo Hello > hello.txt", "duration": 1},
+                {"keystrokes": "cat hello.txt"},
+            ],
+            "task_complete": True,
+        }
+    )
+    traj = ChatTrajectory("t", [])
+    with make_sandbox(SandboxConfig()) as sb:
+        obs, done, call_id = agent._act({"content": "Sure.\n" + reply}, sb.shell(), traj)
+        assert sb.exec("cat /app/hello.txt").stdout == "Hello\n"
+    # The second command ran in the first one's cwd (one persistent shell), and the episode ends.
+    assert "Hello" in obs and done and call_id is None and traj.num_format_errors == 0
