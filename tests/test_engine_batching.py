@@ -183,7 +183,14 @@ def test_update_params_changes_outputs_without_recompiling(model, engine, orch):
     try:
         scaled = jax.tree.map(lambda x: x * 1.5 if x.ndim >= 2 else x, original)
         assert engine.update_params(scaled) == v0 + 1
-        after = orch.generate(reqs)
+        compiles = []
+        listener = lambda event, secs, **kw: compiles.append(event) if "backend_compile" in event else None
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        try:
+            after = orch.generate(reqs)
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listener)
+        assert compiles == [], f"XLA compiled {len(compiles)} programs after a weight swap"
         assert any(a.tokens != b.tokens for a, b in zip(after, before))
         assert all(v == v0 + 1 for a in after for v in a.versions)
         assert dict(engine.trace_counts) == traces, "a weight swap recompiled something"

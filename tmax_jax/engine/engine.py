@@ -237,16 +237,19 @@ class Engine(EngineAPI):
 
     # ----------------------------------------------------------------- state
     def _init_cache(self, batch: int):
-        model = nnx.merge(self._graphdef, self._params)
-        # Built under jit so every leaf is its own buffer (donation rejects aliased zeros).
-        return jax.jit(lambda: model.init_cache(batch, self._max_len, dtype=self._cache_dtype))()
+        # Built under jit so every leaf is its own buffer (donation rejects aliased zeros); the
+        # parameters are an argument so they are never baked into the program as constants.
+        def make(params):
+            return nnx.merge(self._graphdef, params).init_cache(batch, self._max_len, dtype=self._cache_dtype)
+
+        return jax.jit(make)(self._params)
 
     def init_decode_state(self, *args, **kwargs) -> DecodeState:
-        return jax.jit(self._init_decode_state_impl)()
+        return jax.jit(self._init_decode_state_impl)(self._params)
 
-    def _init_decode_state_impl(self) -> DecodeState:
+    def _init_decode_state_impl(self, params) -> DecodeState:
         s = self._slots
-        model = nnx.merge(self._graphdef, self._params)
+        model = nnx.merge(self._graphdef, params)
         return DecodeState(
             cache=model.init_cache(s, self._max_len, dtype=self._cache_dtype),
             tokens=jnp.zeros((s,), jnp.int32),
