@@ -18,7 +18,9 @@ COMMAND_MODULES: list[str] = [
     "serve",
     "eval",
     "run_task",
+    "generate_tasks",
     "plan",
+    "train",
     "init_tiny",
     "generate",
 ]

@@ -104,7 +104,22 @@ class PodmanSandbox(Sandbox):
                 kill_tree(p, sig=signal.SIGKILL)
 
     def _on_kill_shell(self, session) -> None:
-        self._on_kill(session.proc)
+        # Only the shell and its descendants: a service the agent double-forked must survive the
+        # shell, as it does on bwrap (the env-marker kill would find it too).
+        if session.shell_pid_inside is None or self._closed:
+            return
+        try:
+            self.kill_command_processes(session, 0)
+            self._run(
+                ["/bin/kill", "-9", str(session.shell_pid_inside)],
+                timeout=15,
+                stdin=None,
+                env=None,
+                cwd="/",
+                cap=1 << 16,
+            )
+        except Exception:  # noqa: BLE001 - the container may be gone already
+            self._on_kill(session.proc)
 
     def _alive(self) -> bool:
         r = subprocess.run(

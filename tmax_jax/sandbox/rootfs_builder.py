@@ -136,6 +136,11 @@ def build_host_rootfs(dest: Path, python: str = "/usr/bin/python3") -> Path:
             shutil.copytree(src, site / src.name, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(src, site / src.name)
+    # Read-only at run time, so compile now: pytest imports ~2x faster with .pyc files present.
+    subprocess.run(
+        [str(py), "-m", "compileall", "-q", str(site), str(tmp / str(stdlib).lstrip("/"))],
+        capture_output=True,
+    )
     seen: set[Path] = set()
     todo = list(elfs)
     while todo:

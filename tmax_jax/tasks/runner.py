@@ -91,30 +91,53 @@ def run_task(
         return result(0.0, f"sandbox error: {e}")
 
 
+def initial_state(task: Task, sb: Sandbox) -> tuple[bool, str, str]:
+    """Run the TMAX initial-state test (if any): (ok, reason, log). The test file is removed after."""
+    if task.initial_test is None:
+        return True, "no initial-state test", ""
+    sb.upload(task.initial_test, "/tmp/tmax-initial/test_initial_state.py")
+    res = sb.exec(f"{PYTEST} /tmp/tmax-initial/test_initial_state.py", timeout=task.limits.verifier_timeout_s)
+    sb.exec("rm -rf /tmp/tmax-initial")
+    if res.ok:
+        return True, "ok", res.output
+    return False, "initial-state test timeout" if res.timed_out else "initial-state test failed", res.output
+
+
+def run_oracle(task: Task, sb: Sandbox):
+    """Upload the reference solution to /solution and run it in a shell; returns its ExecResult."""
+    if task.solution is None:
+        raise TaskFormatError(f"{task.path}: no reference solution (solution/solve.sh or solutions/solve.sh)")
+    sb.upload(task.solution.parent, "/solution")
+    with sb.shell() as sh:
+        return sh.run(f"bash /solution/{task.solution.name}", timeout=task.limits.agent_timeout_s)
+
+
+def verify(task: Task, sb: Sandbox) -> tuple[float, str, str]:
+    """Copy the tests in fresh and run the verifier: (reward, reason, log); a verifier that hangs or
+    cannot run gives reward 0 with the reason."""
+    try:
+        return _verify(task, sb)
+    except EpisodeTimeout:
+        return 0.0, "verifier timeout", ""
+    except SandboxError as e:
+        return 0.0, f"verifier could not run: {e}", ""
+
+
 def _episode(task: Task, sb: Sandbox, agent, phases, result) -> TaskResult:
     lim = task.limits
     if task.initial_test is not None:
         t = time.monotonic()
-        sb.upload(task.initial_test, "/tmp/tmax-initial/test_initial_state.py")
-        res = sb.exec(f"{PYTEST} /tmp/tmax-initial/test_initial_state.py", timeout=lim.verifier_timeout_s)
-        sb.exec("rm -rf /tmp/tmax-initial")
+        ok, why, log = initial_state(task, sb)
         phases["initial_test"] = time.monotonic() - t
-        if not res.ok:
-            why = "initial-state test timeout" if res.timed_out else "initial-state test failed"
-            return result(0.0, why, res.output)
+        if not ok:
+            return result(0.0, why, log)
 
     t = time.monotonic()
     agent_out, agent_note = None, ""
     sb.deadline = time.monotonic() + lim.agent_timeout_s
     try:
         if agent == "oracle":
-            if task.solution is None:
-                raise TaskFormatError(
-                    f"{task.path}: no reference solution (solution/solve.sh or solutions/solve.sh)"
-                )
-            sb.upload(task.solution.parent, "/solution")
-            with sb.shell() as sh:
-                res = sh.run(f"bash /solution/{task.solution.name}", timeout=lim.agent_timeout_s)
+            res = run_oracle(task, sb)
             agent_out = res
             if res.timed_out:
                 agent_note = "agent timeout"
@@ -133,12 +156,7 @@ def _episode(task: Task, sb: Sandbox, agent, phases, result) -> TaskResult:
     # The verifier gets its own time budget, whatever the agent used.
     sb.deadline = time.monotonic() + lim.verifier_timeout_s + 60.0
     t = time.monotonic()
-    try:
-        reward, reason, log = _verify(task, sb)
-    except EpisodeTimeout:
-        reward, reason, log = 0.0, "verifier timeout", ""
-    except SandboxError as e:
-        reward, reason, log = 0.0, f"verifier could not run: {e}", ""
+    reward, reason, log = verify(task, sb)
     phases["verifier"] = time.monotonic() - t
     if agent_note and reason == "ok":
         reason = f"ok ({agent_note})"

@@ -1,0 +1,218 @@
+"""Task generation: seeded nine-axis sampling that matches its marginals, graded verifiers with
+partial credit, and procedural tasks that pass the executability filter in real sandboxes."""
+
+from __future__ import annotations
+
+import collections
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tmax_jax.errors import ConfigError
+from tmax_jax.sandbox import SandboxConfig
+from tmax_jax.tasks import graders, load_task
+from tmax_jax.tasks.axes import AxisSampler, Signature
+from tmax_jax.tasks.filter import check_task, filter_tasks
+from tmax_jax.tasks.generator import ProceduralGenerator, all_families
+from tmax_jax.tasks.generator.base import write_tmax_dir
+from tmax_jax.tasks.runner import run_task
+
+# chi-square critical values at p = 0.001 by degrees of freedom (a true sampler fails 1 in 1000 runs)
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12}
+
+
+def test_sampling_is_seeded():
+    s = AxisSampler.from_yaml()
+    a = [s.sample(random.Random(7)) for _ in range(3)]
+    b = [s.sample(random.Random(7)) for _ in range(3)]
+    assert a == b
+    r1, r2 = random.Random(1), random.Random(2)
+    assert [s.sample(r1) for _ in range(20)] != [s.sample(r2) for _ in range(20)]
+
+
+@pytest.mark.parametrize("kind", ["legacy", "sft_v2", "rl_v2"])
+def test_sampling_matches_configured_marginals(kind):
+    s = AxisSampler.from_yaml(corpus_kind=kind)
+    rng = random.Random(123)
+    n = 6000
+    draws = [s.sample(rng) for _ in range(n)]
+    for axis, probs in s.marginals().items():
+        probs = {v: p for v, p in probs.items() if p > 0}
+        counts = collections.Counter(getattr(d, axis) for d in draws)
+        assert set(counts) <= set(probs), f"{axis}: drew a zero-weight value"
+        chi2 = sum((counts.get(v, 0) - n * p) ** 2 / (n * p) for v, p in probs.items())
+        assert chi2 < CHI2_999[len(probs) - 1], f"{axis}: chi2 {chi2:.1f} for {dict(counts)}"
+    # hierarchy: skills and personas always belong to the drawn domain
+    for d in draws[:500]:
+        dom = s.domains[d.domain]
+        assert d.primitive_skill in dom["skills"][d.skill_type] and d.persona in dom["personas"]
+
+
+def test_corpus_kinds_reweight_and_bad_configs_are_named():
+    legacy = AxisSampler.from_yaml(corpus_kind="legacy").marginals()["task_complexity"]
+    rl = AxisSampler.from_yaml(corpus_kind="rl_v2").marginals()["task_complexity"]
+    assert rl["intricate"] > legacy["intricate"] and rl["short"] < legacy["short"]
+    with pytest.raises(ConfigError, match="unknown corpus kind 'nope'"):
+        AxisSampler.from_yaml(corpus_kind="nope")
+    spec = {
+        "domains": {"d": {"personas": ["p"], "skills": {"s": ["x"]}}},
+        "axes": {},
+        "corpus_kinds": {"k": {}},
+    }
+    with pytest.raises(ConfigError, match="missing axis 'fixture_kind'"):
+        AxisSampler(spec, "k")
+    with pytest.raises(ConfigError, match="unknown axis 'colour'"):
+        AxisSampler.from_yaml().sample(random.Random(0), colour="red")
+
+
+def test_families_cover_every_domain_and_verifier_kind():
+    fams = all_families()
+    s = AxisSampler.from_yaml()
+    assert len(fams) >= 30
+    assert {f.domain for f in fams.values()} == set(s.domains)
+    assert {f.verifier_kind for f in fams.values()} == set(s.flat["verifier_kind"])
+    assert {"image", "audio", "stripped_binary", "vendored_package", "multi_service_compose"} <= {
+        f.fixture_kind for f in fams.values()
+    }
+
+
+def test_graders_give_partial_credit():
+    assert graders.exact_text("a\nb\nc", "a\nb\nc") == 1.0
+    assert 0 < graders.exact_text("a\nX\nc", "a\nb\nc") < 1
+    assert graders.exact_text("", "a") == 0.0
+    assert graders.metric_threshold(0.05, 0.1, 1.0, higher_is_better=False) == 1.0
+    assert 0 < graders.metric_threshold(0.5, 0.1, 1.0, higher_is_better=False) < 1
+    assert graders.metric_threshold(2.0, 0.1, 1.0, higher_is_better=False) == 0.0
+    assert graders.metric_threshold(3.0, 4.0, 1.0) == pytest.approx(0.99 * 2 / 3)
+    cases = [(1, True), (2, False), (3, True), (4, False)]
+    assert graders.adversarial_corpus(lambda x: x % 2 == 1, cases) == 1.0
+    assert graders.adversarial_corpus(lambda x: True, cases) == 0.5
+    assert graders.adversarial_corpus(lambda x: 1 / 0, cases) == 0.0
+    half = graders.fuzz_equivalence(lambda x: abs(x) if x > 0 else 0, abs, lambda r: r.randint(-9, 9), n=400)
+    assert 0.3 < half < 0.7
+    assert graders.multi_protocol({"a": lambda: True, "b": lambda: False}) == 0.5
+    assert graders.relative_to_baseline(0.6, 0.2) == pytest.approx(0.99 * 0.5)
+
+
+def _draft_dir(tmp_path: Path, family: str, seed: str, complexity: str = "short") -> Path:
+    fam = all_families()[family]
+    sig = Signature(
+        fam.domain,
+        fam.skill_type,
+        fam.primitive_skill,
+        "tester",
+        fam.fixture_kind,
+        complexity,
+        fam.command_complexity,
+        fam.verifier_kind,
+    )
+    return write_tmax_dir(
+        fam.make(random.Random(seed), sig), sig.to_dict(), tmp_path / f"{family}-{seed}", family, 0
+    )
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    return SandboxConfig(cache_dir=str(tmp_path / "cache"))
+
+
+def _params(task) -> dict:
+    return json.loads((task.path / "task.json").read_text())["family_params"]
+
+
+def _half_exact(task, sh):  # exact_text: the first line right, the rest wrong
+    first = json.loads((task.path / "task.json").read_text())["truth"].splitlines()[0]
+    sh.run(f"printf '%s\\nwrong\\n' '{first}' > {_params(task)['output']}")
+
+
+def _half_metric(task, sh):  # relative error 0.5: half-way between the bound and the worst case
+    p = _params(task)
+    sh.run(f"echo {p['exact'] * 1.5!r} > {p['output']}")
+
+
+def _half_corpus(task, sh):  # drop the century rule only: some hidden years still right
+    sh.run(f"sed -i 's/year % 4 == 0 or year % 100 != 0/year % 4 == 0/' {_params(task)['module']}")
+
+
+def _half_fuzz(task, sh):  # right on single-character runs only
+    p = _params(task)
+    fn = p["function"]
+    body = f"def {fn}(s):\n    return (s[:1] + str(len(s))) if s and len(set(s)) == 1 else ''\n"
+    sh.run(f"cat > {p['module']} <<'EOF'\n{body}EOF")
+
+
+def _half_protocol(task, sh):  # HTTP right, the TCP protocol missing
+    p = _params(task)
+    code = (
+        "import json\nfrom http.server import BaseHTTPRequestHandler, HTTPServer\n"
+        "class H(BaseHTTPRequestHandler):\n    def do_GET(self):\n"
+        f"        b = json.dumps({{'status': 'ok', 'name': '{p['name']}'}}).encode(); self.send_response(200); self.end_headers(); self.wfile.write(b)\n"
+        f"HTTPServer(('127.0.0.1', {p['http_port']}), H).serve_forever()\n"
+    )
+    sh.run(f"cat > /tmp/h.py <<'EOF'\n{code}EOF\n( setsid python3 /tmp/h.py >/dev/null 2>&1 & ); sleep 1")
+
+
+@pytest.mark.parametrize(
+    "kind, family, agent",
+    [
+        ("exact_text", "unit_conversion", _half_exact),
+        ("metric_threshold", "quadrature", _half_metric),
+        ("adversarial_corpus", "leap_year_fix", _half_corpus),
+        ("fuzz_equivalence", "rle_codec", _half_fuzz),
+        ("multi_protocol", "http_tcp_service", _half_protocol),
+    ],
+)
+def test_every_verifier_kind_gives_partial_credit_in_a_sandbox(tmp_path, cfg, kind, family, agent):
+    task = load_task(_draft_dir(tmp_path, family, kind))
+    assert task.signature["verifier_kind"] == kind
+    res = run_task(task, agent, cfg)
+    assert 0.0 < res.reward < 1.0 and not res.passed, f"{res.reward} {res.reason} {res.verifier_log[-500:]}"
+
+
+def test_hundred_generated_tasks_pass_the_executability_filter(tmp_path, cfg):
+    gen = ProceduralGenerator()
+    made = [gen.generate_one(tmp_path / "corpus", seed=11, index=i) for i in range(100)]
+    prompts = [load_task(m.path).instruction for m in made]
+    assert len(set(prompts)) == 100, "two draws produced the same task"
+    for m in made[:5]:
+        meta = json.loads((m.path / "task.json").read_text())
+        assert meta["axes"] == m.signature and meta["family"] == m.family
+    assert len({m.family for m in made}) >= 20
+    results = filter_tasks([m.path for m in made], cfg, concurrency=2)
+    bad = [(Path(r.path).name, r.reason) for r in results if not r.kept]
+    assert not bad, bad
+    assert all(r.noop_reward == 0.0 and r.oracle_reward == 1.0 for r in results)
+
+
+def test_filter_drops_broken_tasks(tmp_path, cfg):
+    d = _draft_dir(tmp_path, "csv_group_sum", "broken")
+    (d / "solutions" / "solve.sh").write_text("#!/bin/bash\necho nope > /dev/null\n")
+    r = check_task(d, cfg)
+    assert not r.kept and r.reason.startswith("reference solution scores 0")
+    d2 = _draft_dir(tmp_path, "word_frequency", "noop-passes")
+    (d2 / "test_final_state.py").write_text("def test_ok():\n    pass\n")
+    r = check_task(d2, cfg)
+    assert not r.kept and r.reason.startswith("no-op scores 1")
+    d3 = _draft_dir(tmp_path, "date_rewrite", "bad-setup")
+    (d3 / "setup.sh").write_text("#!/bin/bash\nexit 3\n")
+    r = check_task(d3, cfg)
+    assert not r.kept and r.reason.startswith("environment build failed")
+
+
+def test_generate_tasks_cli_both_formats(tmp_path):
+    for fmt in ("tmax", "harbor"):
+        out = tmp_path / fmt
+        r = subprocess.run(
+            [sys.executable, "-m", "tmax_jax", "generate-tasks", "--n", "4", "--out", str(out), "--seed", "3", "--format", fmt, "--concurrency", "2"],
+            capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "TMAX_JAX_CACHE": str(tmp_path / "cache")},
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert "4/4 tasks kept" in r.stdout
+        report = json.loads((out / "generation_report.json").read_text())
+        assert report["kept"] == 4 and all(t["kept"] for t in report["tasks"])
+        first = load_task(next(p for p in sorted(out.iterdir()) if p.is_dir()))
+        assert first.format == fmt

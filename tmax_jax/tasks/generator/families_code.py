@@ -1,0 +1,529 @@
+"""Families: security, software engineering, debugging."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import tempfile
+import textwrap
+from pathlib import Path
+
+from tmax_jax.tasks.generator.base import (
+    COMPLEXITY_SCALE,
+    WORDS,
+    Family,
+    TaskDraft,
+    copy_fixtures_setup,
+    files_exist_test,
+    ident,
+    persona_prompt,
+    word,
+    workdir,
+)
+from tmax_jax.tasks.generator.registry import register
+
+LOAD = """
+import importlib.util
+def _load(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+"""
+
+
+# Shared verifier snippets, indented like the f-string checks below so that one dedent fits all.
+LOAD = textwrap.indent(LOAD, " " * 12)
+
+
+def _alnum(rng, n, alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"):
+    return "".join(rng.choice(alphabet) for _ in range(n))
+
+
+@register
+class SecretScanner(Family):
+    name, domain, skill_type, primitive_skill = (
+        "secret_scanner",
+        "security",
+        "secrets_detection",
+        "regex_scan",
+    )
+    verifier_kind = "adversarial_corpus"
+
+    def make(self, rng, sig):
+        w = workdir(rng)
+        prefix = rng.choice(["AKIA", "TMXK", "SKEY"])
+        n = rng.choice([16, 20])
+        mod = f"{w}/scanner.py"
+        good = [f"{prefix}{_alnum(rng, n)}" for _ in range(6)]
+        cases = [(f"key={g}", True) for g in good[:2]] + [
+            (f"{word(rng)} {g} {word(rng)}", True) for g in good[2:4]
+        ]
+        cases += [(f"{prefix}{_alnum(rng, n - 1)}", False), (f"{prefix}{_alnum(rng, n + 1)}", False)]
+        cases += [
+            (f"{prefix.lower()}{_alnum(rng, n)}", False),
+            (f"X{good[4]}", False),
+            (f"{good[5]}Z", False),
+        ]
+        cases += [(f"{prefix}{_alnum(rng, n - 2)}ab", False), (f"({good[5]})", True), (ident(rng, 4), False)]
+        prompt = persona_prompt(
+            rng,
+            sig.persona,
+            f"""
+            Write {mod} defining is_secret(line: str) -> bool. A line holds a secret when it contains a
+            token that starts with '{prefix}' followed by exactly {n} characters from A-Z and 0-9, and the
+            token is not glued to further letters or digits on either side. Sample lines are in
+            {w}/samples.txt (one per line, with the expected answer after a tab).""",
+        )
+        samples = "".join(f"{x}\t{y}\n" for x, y in cases[:4] + cases[4:6])
+        solve = f"""cat > {mod} <<'EOF'
+import re
+_PAT = re.compile(r'(?<![A-Za-z0-9]){prefix}[A-Z0-9]{{{n}}}(?![A-Za-z0-9])')
+def is_secret(line):
+    return _PAT.search(line) is not None
+EOF"""
+        check = (
+            LOAD
+            + f"""
+            from pathlib import Path
+            def grade():
+                if not Path({mod!r}).is_file():
+                    return 0.0
+                try:
+                    m = _load({mod!r}, 'scanner')
+                except Exception:
+                    return 0.0
+                return adversarial_corpus(m.is_secret, {cases!r})
+            """
+        )
+        return TaskDraft(
+            self.name,
+            prompt,
+            solve,
+            textwrap.dedent(check),
+            files_exist_test([f"{w}/samples.txt"], [mod]),
+            copy_fixtures_setup(w),
+            {"samples.txt": samples},
+        )
+
+
+@register
+class HashCrack(Family):
+    name, domain, skill_type, primitive_skill = "hash_crack", "security", "credential_audit", "hash_cracking"
+
+    def make(self, rng, sig):
+        w = workdir(rng)
+        words = rng.sample(WORDS, 20 + 5 * COMPLEXITY_SCALE[sig.task_complexity])
+        users = sorted(
+            {f"{word(rng)}{rng.randint(1, 99)}" for _ in range(2 + COMPLEXITY_SCALE[sig.task_complexity])}
+        )
+        pw = {u: rng.choice(words) + str(rng.randint(0, 9)) for u in users}
+        wordlist = sorted({*(p for p in pw.values()), *(x + str(rng.randint(0, 9)) for x in words)})
+        shadow = "".join(f"{u}:{hashlib.sha256(pw[u].encode()).hexdigest()}\n" for u in users)
+        truth = "\n".join(f"{u}:{pw[u]}" for u in users)
+        out = f"{w}/cracked.txt"
+        prompt = persona_prompt(
+            rng,
+            sig.persona,
+            f"""
+            {w}/hashes.txt lists 'user:sha256-hex' entries for an authorized audit. Every password is in
+            {w}/wordlist.txt. Write {out} with 'user:password' lines, sorted by user.""",
+        )
+        solve = f"""python3 - <<'EOF'
+import hashlib
+words = open('{w}/wordlist.txt').read().split()
+table = {{hashlib.sha256(x.encode()).hexdigest(): x for x in words}}
+rows = [l.split(':') for l in open('{w}/hashes.txt').read().split()]
+open('{out}', 'w').write(''.join(f'{{u}}:{{table[h]}}\\n' for u, h in sorted(rows)))
+EOF"""
+        check = f"""
+            from pathlib import Path
+            def grade():
+                p = Path({out!r})
+                return exact_text(p.read_text(), {truth!r}) if p.is_file() else 0.0
+            """
+        fixtures = {"hashes.txt": shadow, "wordlist.txt": "\n".join(wordlist) + "\n"}
+        return TaskDraft(
+            self.name,
+            prompt,
+            solve,
+            check,
+            files_exist_test([f"{w}/hashes.txt"], [out]),
+            copy_fixtures_setup(w),
+            fixtures,
+            truth,
+        )
+
+
+@register
+class StrippedBinaryPassword(Family):
+    name, domain, skill_type, primitive_skill = (
+        "stripped_binary_password",
+        "security",
+        "reverse_engineering",
+        "binary_probing",
+    )
+    fixture_kind = "stripped_binary"
+    command_complexity = "bash-only"
+
+    def make(self, rng, sig):
+        w = workdir(rng)
+        pw = f"{word(rng)}-{_alnum(rng, 6, 'abcdefghijkmnpqrstuvwxyz23456789')}"
+        decoys = [
+            f"{word(rng)}-{_alnum(rng, 6, 'abcdefghijkmnpqrstuvwxyz23456789')}"
+            for _ in range(2 + COMPLEXITY_SCALE[sig.task_complexity])
+        ]
+        src = "#include <stdio.h>\n#include <string.h>\n"
+        src += "".join(f'const char *decoy{i} = "{d}";\n' for i, d in enumerate(decoys))
+        src += f'int main(int c, char **v) {{ if (c > 1 && strcmp(v[1], "{pw}") == 0) {{ puts("ACCESS GRANTED"); return 0; }}\n'
+        src += '  puts("denied"); return 1; }\n'
+        src += "".join(f"void use{i}(void) {{ puts(decoy{i}); }}\n" for i in range(len(decoys)))
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "v.c").write_text(src)
+            subprocess.run(
+                ["gcc", "-O1", "-s", "-o", str(Path(tmp) / "vault"), str(Path(tmp) / "v.c")],
+                check=True,
+                capture_output=True,
+            )
+            blob = (Path(tmp) / "vault").read_bytes()
+        out = f"{w}/password.txt"
+        prompt = persona_prompt(
+            rng,
+            sig.persona,
+            f"""
+            {w}/vault is a stripped binary that prints 'ACCESS GRANTED' when run with the right password as
+            its only argument. Find that password and write it to {out}.""",
+        )
+        solve = f'cd {w}\nfor s in $(strings -n 6 vault | grep -E \'^[a-z]+-[a-z0-9]{{6}}$\'); do if ./vault "$s" | grep -q GRANTED; then echo "$s" > {out}; fi; done\n'
+        check = f"""
+            from pathlib import Path
+            def grade():
+                p = Path({out!r})
+                return exact_text(p.read_text(), {pw!r}) if p.is_file() else 0.0
+            """
+        setup = copy_fixtures_setup(w) + f"chmod 755 {w}/vault\n"
+        return TaskDraft(
+            self.name,
+            prompt,
+            solve,
+            check,
+            files_exist_test([f"{w}/vault"], [out]),
+            setup,
+            {"vault": blob},
+            pw,
+        )
+
+
+RLE_REF = """
+def _ref_encode(s):
+    out, i = [], 0
+    while i < len(s):
+        j = i
+        while j < len(s) and s[j] == s[i]:
+            j += 1
+        out.append(f"{s[i]}{j - i}")
+        i = j
+    return "".join(out)
+"""
+
+RLE_REF = textwrap.indent(RLE_REF, " " * 12)
+
+
+@register
+class RleCodec(Family):
+    name, domain, skill_type, primitive_skill = (
+        "rle_codec",
+        "software_engineering",
+        "implementation",
+        "text_codec",
+    )
+    verifier_kind = "fuzz_equivalence"
+
+    def make(self, rng, sig):
+        w = workdir(rng)
+        fn = rng.choice(["rle_encode", "compress_runs", "encode_runs"])
+        mod = f"{w}/{ident(rng)}.py"
+        alphabet = "".join(rng.sample("abcdefghxyz", 3 + COMPLEXITY_SCALE[sig.task_complexity]))
+        prompt = persona_prompt(
+            rng,
+            sig.persona,
+            f"""
+            Create {mod} with a function {fn}(s: str) -> str doing run-length encoding: each maximal run
+            of one character becomes the character followed by the run length in decimal, e.g.
+            'aaab' -> 'a3b1', '' -> ''. Inputs use only the letters '{alphabet}'.""",
+        )
+        solve = f"cat > {mod} <<'EOF'\nimport itertools\ndef {fn}(s):\n    return ''.join(f'{{k}}{{len(list(g))}}' for k, g in itertools.groupby(s))\nEOF\n"
+        check = (
+            LOAD
+            + RLE_REF
+            + f"""
+            from pathlib import Path
+            def _gen(rng):
+                return ''.join(rng.choice({alphabet!r}) * rng.randint(1, 12) for _ in range(rng.randint(0, 8)))
+            def grade():
+                if not Path({mod!r}).is_file():
+                    return 0.0
+                try:
+                    m = _load({mod!r}, 'cand')
+                    cand = getattr(m, {fn!r})
+                except Exception:
+                    return 0.0
+                return fuzz_equivalence(cand, _ref_encode, _gen, n=300, seed={rng.randint(0, 10**6)})
+            """
+        )
+        draft = TaskDraft(
+            self.name,
+            prompt,
+            solve,
+            textwrap.dedent(check),
+            files_exist_test([], [mod]),
+            f"mkdir -p {w}\n",
+            {},
+        )
+        draft.params = {"module": mod, "function": fn}
+        return draft
+
+
+SLUG_REF = """
+import re as _re
+def _ref_slug(s):
+    s = _re.sub(r"[^a-z0-9]+", "-", s.lower())
+    return s.strip("-")
+"""
+
+SLUG_REF = textwrap.indent(SLUG_REF, " " * 12)
+
+
+@register
+class VendoredSlugify(Family):
+    name, domain, skill_type, primitive_skill = (
+        "vendored_slugify",
+        "software_engineering",
+        "packaging",
+        "vendored_fix",
+    )
+    verifier_kind = "fuzz_equivalence"
+    fixture_kind = "vendored_package"
+
+    def make(self, rng, sig):
+        w = workdir(rng)
+        pkg = f"{word(rng)}kit"
+        buggy = 'def slugify(s):\n    """Lower-case, runs of non [a-z0-9] -> one dash, no leading/trailing dash."""\n    return s.lower().replace(" ", "-")\n'
+        fixtures = {
+            f"vendor/{pkg}/__init__.py": "from .text import slugify\n",
+            f"vendor/{pkg}/text.py": buggy,
+            "app.py": f"import sys\nsys.path.insert(0, 'vendor')\nfrom {pkg} import slugify\nprint(slugify(sys.argv[1]))\n",
+        }
+        prompt = persona_prompt(
+            rng,
+            sig.persona,
+            f"""
+            {w}/app.py uses the vendored package {w}/vendor/{pkg}. Its slugify() is wrong: fix the package
+            so slugify lower-cases the text, turns every run of characters outside [a-z0-9] into a single
+            '-', and strips leading and trailing dashes (e.g. '  Hello, World!! ' -> 'hello-world').""",
+        )
+        solve = f"""cat > {w}/vendor/{pkg}/text.py <<'EOF'
+import re
+def slugify(s):
+    return re.sub(r'[^a-z0-9]+', '-', s.lower()).strip('-')
+EOF"""
+        check = (
+            LOAD
+            + SLUG_REF
+            + f"""
+            import sys
+            def _gen(rng):
+                return ''.join(rng.choice('aZ9 -_!.,?xY') for _ in range(rng.randint(0, 20)))
+            def grade():
+                try:
+                    sys.path.insert(0, {w + "/vendor"!r})
+                    m = _load({f"{w}/vendor/{pkg}/__init__.py"!r}, {pkg!r})
+                except Exception:
+                    return 0.0
+                seed = {rng.randint(0, 10**6)}
+                base_ns = {{}}
+                exec({buggy!r}, base_ns)
+                base = fuzz_equivalence(base_ns['slugify'], _ref_slug, _gen, n=300, seed=seed)
+                return relative_to_baseline(fuzz_equivalence(m.slugify, _ref_slug, _gen, n=300, seed=seed), base)
+            """
+        )
+        return TaskDraft(
+            self.name,
+            prompt,
+            solve,
+            textwrap.dedent(check),
+            files_exist_test([f"{w}/vendor/{pkg}/text.py"]),
+            copy_fixtures_setup(w),
+            fixtures,
+        )
+
+
+@register
+class OffByOne(Family):
+    name, domain, skill_type, primitive_skill = "off_by_one_fix", "debugging", "logic_errors", "off_by_one"
+    verifier_kind = "fuzz_equivalence"
+
+    def make(self, rng, sig):
+        w = workdir(rng)
+        fn = rng.choice(["window_sums", "rolling_totals", "sliding_sum"])
+        mod = f"{w}/stats_{word(rng)}.py"
+        buggy = f'def {fn}(xs, k):\n    """Sums of every window of k consecutive items."""\n    return [sum(xs[i:i + k]) for i in range(len(xs) - k)]\n'
+        prompt = persona_prompt(
+            rng,
+            sig.persona,
+            f"""
+            {fn}(xs, k) in {mod} should return the sums of every window of k consecutive items of xs
+            (len(xs) - k + 1 values; [] when k > len(xs)), but users report it drops a window. Fix it
+            without changing its name or signature.""",
+        )
+        solve = f"sed -i 's/range(len(xs) - k)/range(len(xs) - k + 1)/' {mod}\n"
+        check = (
+            LOAD
+            + f"""
+            from pathlib import Path
+            def _ref(a):
+                xs, k = a
+                return [sum(xs[i:i + k]) for i in range(len(xs) - k + 1)]
+            def _gen(rng):
+                return ([rng.randint(-9, 9) for _ in range(rng.randint(0, 12))], rng.randint(1, 6))
+            def grade():
+                try:
+                    f = getattr(_load({mod!r}, 'cand'), {fn!r})
+                except Exception:
+                    return 0.0
+                seed = {rng.randint(0, 10**6)}
+                base_ns = {{}}
+                exec({buggy!r}, base_ns)
+                base = fuzz_equivalence(lambda a: base_ns[{fn!r}](*a), _ref, _gen, n=300, seed=seed)
+                return relative_to_baseline(fuzz_equivalence(lambda a: f(*a), _ref, _gen, n=300, seed=seed), base)
+            """
+        )
+        return TaskDraft(
+            self.name,
+            prompt,
+            solve,
+            textwrap.dedent(check),
+            files_exist_test([mod]),
+            copy_fixtures_setup(w),
+            {Path(mod).name: buggy},
+        )
+
+
+@register
+class LeapYearFix(Family):
+    name, domain, skill_type, primitive_skill = "leap_year_fix", "debugging", "logic_errors", "wrong_operator"
+    verifier_kind = "adversarial_corpus"
+
+    def make(self, rng, sig):
+        w = workdir(rng)
+        mod = f"{w}/calendar_{word(rng)}.py"
+        buggy = "def is_leap(year):\n    return year % 4 == 0 or year % 100 != 0\n"
+        years = sorted(
+            {1900, 2000, 2100, 2400, 1996, 2023, 1800, 1600, *(rng.randint(1, 3000) for _ in range(12))}
+        )
+        cases = [(y, (y % 4 == 0 and y % 100 != 0) or y % 400 == 0) for y in years]
+        prompt = persona_prompt(
+            rng,
+            sig.persona,
+            f"""
+            is_leap(year) in {mod} gives wrong answers. Fix it to follow the Gregorian rule (divisible by
+            4, except centuries, except centuries divisible by 400).""",
+        )
+        solve = f"cat > {mod} <<'EOF'\ndef is_leap(year):\n    return (year % 4 == 0 and year % 100 != 0) or year % 400 == 0\nEOF\n"
+        check = (
+            LOAD
+            + f"""
+            def grade():
+                try:
+                    m = _load({mod!r}, 'cand')
+                except Exception:
+                    return 0.0
+                base_ns = {{}}
+                exec({buggy!r}, base_ns)
+                cases = {cases!r}
+                return relative_to_baseline(adversarial_corpus(m.is_leap, cases), adversarial_corpus(base_ns['is_leap'], cases))
+            """
+        )
+        draft = TaskDraft(
+            self.name,
+            prompt,
+            solve,
+            textwrap.dedent(check),
+            files_exist_test([mod]),
+            copy_fixtures_setup(w),
+            {Path(mod).name: buggy},
+        )
+        draft.params = {"module": mod}
+        return draft
+
+
+@register
+class DurationParserFix(Family):
+    name, domain, skill_type, primitive_skill = (
+        "duration_parser_fix",
+        "debugging",
+        "crash_analysis",
+        "exception_fix",
+    )
+    verifier_kind = "adversarial_corpus"
+
+    def make(self, rng, sig):
+        w = workdir(rng)
+        mod = f"{w}/durations.py"
+        buggy = "def parse_duration(s):\n    h, m = s.split('h')\n    return int(h) * 3600 + int(m.rstrip('m')) * 60\n"
+        cases = [
+            ("1h30m", 5400),
+            ("2h", 7200),
+            ("45m", 2700),
+            ("10s", 10),
+            ("1h2m3s", 3723),
+            ("0m", 0),
+            ("3h0m15s", 10815),
+        ]
+        cases += [
+            (f"{h}h{m}m", h * 3600 + m * 60)
+            for h, m in ((rng.randint(0, 30), rng.randint(0, 59)) for _ in range(5))
+        ]
+        cases += [("", None), ("5x", None), ("h", None), ("1h1h", None)]
+        prompt = persona_prompt(
+            rng,
+            sig.persona,
+            f"""
+            parse_duration(s) in {mod} crashes on many inputs. It must accept strings made of optional
+            '<n>h', '<n>m', '<n>s' parts in that order (at least one part) and return seconds as an int;
+            for anything else (empty, unknown units, repeated units) it must return None instead of raising.""",
+        )
+        solve = f"""cat > {mod} <<'EOF'
+import re
+_PAT = re.compile(r'(?:(\\d+)h)?(?:(\\d+)m)?(?:(\\d+)s)?')
+def parse_duration(s):
+    m = _PAT.fullmatch(s)
+    if not s or m is None:
+        return None
+    h, mi, se = (int(g) if g else 0 for g in m.groups())
+    return h * 3600 + mi * 60 + se
+EOF"""
+        check = (
+            LOAD
+            + f"""
+            def grade():
+                try:
+                    m = _load({mod!r}, 'cand')
+                except Exception:
+                    return 0.0
+                base_ns = {{}}
+                exec({buggy!r}, base_ns)
+                cases = {cases!r}
+                base = adversarial_corpus(base_ns['parse_duration'], cases)
+                return relative_to_baseline(adversarial_corpus(m.parse_duration, cases), base)
+            """
+        )
+        return TaskDraft(
+            self.name,
+            prompt,
+            solve,
+            textwrap.dedent(check),
+            files_exist_test([mod]),
+            copy_fixtures_setup(w),
+            {"durations.py": buggy},
+        )

@@ -1,0 +1,541 @@
+"""Families: networking, devops, scientific computing."""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import textwrap
+
+from tmax_jax.tasks.generator.base import (
+    COMPLEXITY_SCALE,
+    WORDS,
+    Family,
+    TaskDraft,
+    copy_fixtures_setup,
+    files_exist_test,
+    ident,
+    persona_prompt,
+    word,
+    workdir,
+)
+from tmax_jax.tasks.generator.registry import register
+
+
+def _text_check(out: str, truth: str) -> str:
+    return f"""
+        from pathlib import Path
+        def grade():
+            p = Path({out!r})
+            return exact_text(p.read_text(), {truth!r}) if p.is_file() else 0.0
+        """
+
+
+@register
+class CidrMembership(Family):
+    name, domain, skill_type, primitive_skill = (
+        "cidr_membership",
+        "networking",
+        "addressing",
+        "cidr_membership",
+    )
+
+    def make(self, rng, sig):
+        w = workdir(rng)
+        prefix = rng.choice([16, 20, 22, 24, 26])
+        net = ipaddress.ip_network(f"10.{rng.randint(0, 255)}.{rng.randint(0, 255)}.0/{prefix}", strict=False)
+        inside = [
+            str(net.network_address + rng.randint(1, net.num_addresses - 2))
+            for _ in range(3 + COMPLEXITY_SCALE[sig.task_complexity])
+        ]
+        outside = [f"10.{rng.randint(0, 255)}.{rng.randint(0, 255)}.{rng.randint(1, 254)}" for _ in range(6)]
+        ips = sorted(set(inside + outside), key=lambda ip: rng.random())
+        truth = "\n".join(
+            sorted((ip for ip in ips if ipaddress.ip_address(ip) in net), key=ipaddress.ip_address)
+        )
+        out = f"{w}/in_subnet.txt"
+        prompt = persona_prompt(
+            rng,
+            sig.persona,
+            f"""
+            {w}/hosts.txt lists IPv4 addresses, one per line. Write {out} with the addresses that belong
+            to {net}, in ascending numeric order.""",
+        )
+        solve = f"python3 -c \"import ipaddress as i; n=i.ip_network('{net}'); ips=[i.ip_address(l) for l in open('{w}/hosts.txt').read().split()]; open('{out}','w').write(''.join(str(a)+chr(10) for a in sorted(x for x in ips if x in n)))\"\n"
+        return TaskDraft(
+            self.name,
+            prompt,
+            solve,
+            _text_check(out, truth),
+            files_exist_test([f"{w}/hosts.txt"], [out]),
+            copy_fixtures_setup(w),
+            {"hosts.txt": "\n".join(ips) + "\n"},
+            truth,
+        )
+
+
+@register
+class LatencyReport(Family):
+    name, domain, skill_type, primitive_skill = (
+        "latency_report",
+        "networking",
+        "diagnostics",
+        "latency_report",
+    )
+    command_complexity = "bash-only"
+
+    def make(self, rng, sig):
+        w = workdir(rng)
+        hosts = [f"{word(rng)}.example.net" for _ in range(2 + COMPLEXITY_SCALE[sig.task_complexity])]
+        lines, samples = [], {h: [] for h in hosts}
+        for _ in range(30):
+            h = rng.choice(hosts)
+            t = round(rng.uniform(0.3, 250), 1)
+            samples[h].append(t)
+            lines.append(f"64 bytes from {h}: icmp_seq={len(samples[h])} ttl=57 time={t} ms")
+        truth = "\n".join(f"{h} {sum(v) / len(v):.1f}" for h, v in sorted(samples.items()) if v)
+        out = f"{w}/latency.txt"
+        prompt = persona_prompt(
+            rng,
+            sig.persona,
+            f"""
+            {w}/ping.log holds ping replies from several hosts. Write {out} with '<host> <mean time in ms,
+            1 decimal>' for every host that replied, sorted by host name.""",
+        )
+        solve = f'grep -oE \'from [^:]+: .*time=[0-9.]+\' {w}/ping.log | awk \'{{h=$2; sub(":","",h); split($NF,a,"="); s[h]+=a[2]; n[h]++}} END {{for (h in s) printf "%s %.1f\\n", h, s[h]/n[h]}}\' | sort > {out}\n'
+        return TaskDraft(
+            self.name,
+            prompt,
+            solve,
+            _text_check(out, truth),
+            files_exist_test([f"{w}/ping.log"], [out]),
+            copy_fixtures_setup(w),
+            {"ping.log": "\n".join(lines) + "\n"},
+            truth,
+        )
+
+
+@register
+class HttpAndTcpService(Family):
+    name, domain, skill_type, primitive_skill = "http_tcp_service", "networking", "services", "tcp_protocol"
+    verifier_kind = "multi_protocol"
+    fixture_kind = "multi_service_compose"  # two services, two protocols, one sandbox
+    command_complexity = "bash+code+services"
+
+    def make(self, rng, sig):
+        w = workdir(rng)
+        name = ident(rng)
+        p1, p2 = rng.randint(8000, 8999), rng.randint(9000, 9999)
+        prompt = persona_prompt(
+            rng,
+            sig.persona,
+            f"""
+            Start a service that keeps running after you finish: HTTP on 127.0.0.1:{p1} answering GET
+            /health with the JSON {{"status": "ok", "name": "{name}"}}, and a line protocol on TCP
+            127.0.0.1:{p2} where a client sending 'PING <word>' gets back 'PONG <word> {name}' (one line each).""",
+        )
+        server = textwrap.dedent(f"""
+            import json, socketserver, threading
+            from http.server import BaseHTTPRequestHandler, HTTPServer
+            class H(BaseHTTPRequestHandler):
+                def do_GET(self):
+                    body = json.dumps({{"status": "ok", "name": "{name}"}}).encode()
+                    self.send_response(200 if self.path == "/health" else 404)
+                    self.send_header("Content-Type", "application/json"); self.end_headers(); self.wfile.write(body)
+                def log_message(self, *a): pass
+            class T(socketserver.StreamRequestHandler):
+                def handle(self):
+                    for line in self.rfile:
+                        parts = line.decode().split()
+                        if len(parts) == 2 and parts[0] == "PING":
+                            self.wfile.write(f"PONG {{parts[1]}} {name}\\n".encode())
+            socketserver.ThreadingTCPServer.allow_reuse_address = True
+            threading.Thread(target=socketserver.ThreadingTCPServer(("127.0.0.1", {p2}), T).serve_forever, daemon=True).start()
+            HTTPServer(("127.0.0.1", {p1}), H).serve_forever()
+            """)
+        # A double fork: the server is no child of the agent's shell, so it outlives it.
+        solve = (
+            f"mkdir -p {w}\ncat > {w}/server.py <<'PYEOF'\n{server}\nPYEOF\n"
+            f"( setsid python3 {w}/server.py >/dev/null 2>&1 & )\n"
+            f'python3 -c "\nimport socket, time\nfor _ in range(100):\n    try:\n'
+            f"        socket.create_connection(('127.0.0.1', {p1}), 1).close(); socket.create_connection(('127.0.0.1', {p2}), 1).close(); break\n"
+            f'    except OSError:\n        time.sleep(0.1)\n"\n'
+        )
+        token = word(rng)
+        check = f"""
+            import json, socket, urllib.request
+            def _http():
+                with urllib.request.urlopen('http://127.0.0.1:{p1}/health', timeout=5) as r:
+                    return json.loads(r.read()) == {{"status": "ok", "name": {name!r}}}
+            def _tcp():
+                with socket.create_connection(('127.0.0.1', {p2}), timeout=5) as s:
+                    s.sendall(b'PING {token}\\n')
+                    return s.makefile().readline().strip() == 'PONG {token} {name}'
+            def grade():
+                return multi_protocol({{'http': _http, 'tcp': _tcp}})
+            """
+        draft = TaskDraft(
+            self.name, prompt, solve, check, files_exist_test([], [f"{w}/server.py"]), f"mkdir -p {w}\n", {}
+        )
+        draft.params = {"http_port": p1, "tcp_port": p2, "name": name}
+        return draft
+
+
+@register
+class IniEdit(Family):
+    name, domain, skill_type, primitive_skill = "ini_edit", "devops", "configuration", "ini_edit"
+    command_complexity = "bash-only"
+
+    def make(self, rng, sig):
+        w = workdir(rng)
+        port, new_port, timeout = rng.randint(1024, 5000), rng.randint(5001, 9999), rng.randint(5, 120)
+        sections = {
+            "server": {"host": "0.0.0.0", "port": str(port)},
+            word(rng): {"level": rng.choice(["info", "debug"])},
+            "db": {"url": f"postgres://{word(rng)}/app"},
+        }
+        text = "".join(
+            f"[{s}]\n" + "".join(f"{k} = {v}\n" for k, v in kv.items()) + "\n" for s, kv in sections.items()
+        )
+        cfg = f"{w}/app.ini"
+        prompt = persona_prompt(
+            rng,
+            sig.persona,
+            f"""
+            In {cfg} change the [server] port to {new_port} and add 'timeout = {timeout}' to the [server]
+            section. Leave every other setting as it is.""",
+        )
+        solve = (
+            f"python3 - <<'PYEOF'\nimport configparser\nc = configparser.ConfigParser()\nc.read('{cfg}')\n"
+            f"c['server']['port'] = '{new_port}'\nc['server']['timeout'] = '{timeout}'\n"
+            f"with open('{cfg}', 'w') as f:\n    c.write(f)\nPYEOF\n"
+        )
+        others = {s: kv for s, kv in sections.items() if s != "server"}
+        check = f"""
+            import configparser
+            def grade():
+                c = configparser.ConfigParser()
+                try:
+                    c.read({cfg!r})
+                    s = c['server']
+                except Exception:
+                    return 0.0
+                reqs = [s.get('port') == '{new_port}', s.get('timeout') == '{timeout}', s.get('host') == '0.0.0.0']
+                reqs += [c.has_section(k) and dict(c[k]) == v for k, v in {others!r}.items()]
+                if not reqs[0] and not reqs[1]:
+                    return 0.0
+                return 1.0 if all(reqs) else 0.99 * sum(reqs) / len(reqs)
+            """
+        init = (
+            files_exist_test([cfg])
+            + f"\n\ndef test_old_port():\n    assert 'port = {port}' in open({cfg!r}).read()\n"
+        )
+        return TaskDraft(self.name, prompt, solve, check, init, copy_fixtures_setup(w), {"app.ini": text})
+
+
+@register
+class CompressionRatio(Family):
+    name, domain, skill_type, primitive_skill = "compression_ratio", "devops", "automation", "compression"
+    verifier_kind = "metric_threshold"
+    command_complexity = "bash-only"
+
+    def make(self, rng, sig):
+        import lzma
+
+        w = workdir(rng)
+        lines = [
+            f"{rng.choice(['GET', 'POST'])} /api/{word(rng)}/{rng.randint(1, 50)} 200 {rng.randint(1, 900)}ms"
+            for _ in range(3000 * COMPLEXITY_SCALE[sig.task_complexity])
+        ]
+        text = "\n".join(lines) + "\n"
+        best = len(text.encode()) / len(lzma.compress(text.encode(), preset=9 | lzma.PRESET_EXTREME))
+        bound = round(best * 0.9, 2)
+        out = f"{w}/access.log.xz"
+        prompt = persona_prompt(
+            rng,
+            sig.persona,
+            f"""
+            Archive {w}/access.log as {out} (xz format) with a compression ratio (original size / archive
+            size) of at least {bound}. Keep the original file.""",
+        )
+        solve = f"xz -9e -k -c {w}/access.log > {out}\n"
+        check = f"""
+            import lzma
+            from pathlib import Path
+            def grade():
+                p, src = Path({out!r}), Path({w + "/access.log"!r})
+                if not p.is_file() or not src.is_file():
+                    return 0.0
+                try:
+                    if lzma.decompress(p.read_bytes()) != src.read_bytes():
+                        return 0.0
+                except lzma.LZMAError:
+                    return 0.0
+                return metric_threshold(src.stat().st_size / p.stat().st_size, {bound!r}, 1.0)
+            """
+        return TaskDraft(
+            self.name,
+            prompt,
+            solve,
+            check,
+            files_exist_test([f"{w}/access.log"], [out]),
+            copy_fixtures_setup(w),
+            {"access.log": text},
+        )
+
+
+@register
+class EnvTemplate(Family):
+    name, domain, skill_type, primitive_skill = "env_template", "devops", "configuration", "env_templating"
+
+    def make(self, rng, sig):
+        w = workdir(rng)
+        keys = [
+            f"{word(rng).upper()}_{k}"
+            for k in rng.sample(
+                ["HOST", "PORT", "USER", "REGION", "TIER", "POOL"], 2 + COMPLEXITY_SCALE[sig.task_complexity]
+            )
+        ]
+        vals = {k: f"{word(rng)}{rng.randint(1, 99)}" for k in keys}
+        tmpl = "".join(f"{k.lower()}: ${{{k}}}\n" for k in keys) + "static: keep-$$literal\n"
+        env = "".join(f"{k}={v}\n" for k, v in vals.items())
+        truth = "".join(f"{k.lower()}: {vals[k]}\n" for k in keys) + "static: keep-$literal"
+        out = f"{w}/rendered.yaml"
+        prompt = persona_prompt(
+            rng,
+            sig.persona,
+            f"""
+            Render {w}/config.tmpl into {out}: replace every ${{NAME}} with the value of NAME from
+            {w}/deploy.env (KEY=value lines) and every '$$' with a single '$'.""",
+        )
+        solve = (
+            f"python3 - <<'PYEOF'\nimport re\nenv = dict(l.split('=', 1) for l in open('{w}/deploy.env').read().split())\n"
+            f"t = open('{w}/config.tmpl').read()\n"
+            "t = re.sub(r'\\$\\{(\\w+)\\}', lambda m: env[m.group(1)], t).replace('$$', '$')\n"
+            f"open('{out}', 'w').write(t)\nPYEOF\n"
+        )
+        return TaskDraft(
+            self.name,
+            prompt,
+            solve,
+            _text_check(out, truth),
+            files_exist_test([f"{w}/config.tmpl"], [out]),
+            copy_fixtures_setup(w),
+            {"config.tmpl": tmpl, "deploy.env": env},
+            truth,
+        )
+
+
+@register
+class MakefileFix(Family):
+    name, domain, skill_type, primitive_skill = "makefile_fix", "devops", "build_systems", "makefile_fix"
+
+    def make(self, rng, sig):
+        w = workdir(rng)
+        mods = rng.sample(WORDS, 2 + COMPLEXITY_SCALE[sig.task_complexity] // 2)
+        files = {f"{m}.c": f'#include <stdio.h>\nvoid {m}(void) {{ printf("{m}\\n"); }}\n' for m in mods}
+        files["main.c"] = (
+            "".join(f"void {m}(void);\n" for m in mods)
+            + "int main(void) {\n"
+            + "".join(f"  {m}();\n" for m in mods)
+            + "  return 0;\n}\n"
+        )
+        objs = " ".join(f"{m}.o" for m in mods[:-1])  # the bug: the last module is never linked
+        files["Makefile"] = (
+            f"app: main.o {objs}\n\tcc -o app main.o {objs}\n\n%.o: %.c\n\tcc -c $< -o $@\n\nclean:\n\trm -f *.o app\n"
+        )
+        truth = "\n".join(mods)
+        prompt = persona_prompt(
+            rng,
+            sig.persona,
+            f"""
+            'make' in {w} fails to link 'app'. Fix the Makefile so that 'make clean && make' builds {w}/app
+            from all the .c files there. Do not edit the .c files.""",
+        )
+        all_objs = " ".join(f"{m}.o" for m in mods)
+        solve = f"cd {w}\nsed -i 's/^app: .*/app: main.o {all_objs}/; s/^\\tcc -o app .*/\\tcc -o app main.o {all_objs}/' Makefile\nmake clean >/dev/null && make >/dev/null\n"
+        check = f"""
+            import subprocess
+            def grade():
+                r = subprocess.run('make clean >/dev/null 2>&1; make >/dev/null 2>&1 && ./app', shell=True, cwd={w!r}, capture_output=True, text=True, timeout=60)
+                if r.returncode != 0:
+                    return 0.0
+                return exact_text(r.stdout, {truth!r})
+            """
+        return TaskDraft(
+            self.name,
+            prompt,
+            solve,
+            check,
+            files_exist_test([f"{w}/Makefile"], [f"{w}/app"]),
+            copy_fixtures_setup(w),
+            files,
+            truth,
+        )
+
+
+@register
+class Quadrature(Family):
+    name, domain, skill_type, primitive_skill = "quadrature", "scientific_computing", "numerics", "quadrature"
+    verifier_kind = "metric_threshold"
+
+    def make(self, rng, sig):
+        w = workdir(rng)
+        a, b, c, L = rng.randint(1, 9), rng.randint(1, 5), rng.randint(1, 4), rng.randint(2, 9)
+        exact = a * (1 - math.cos(b * L)) / b + c * L**3 / 3
+        out = f"{w}/integral.txt"
+        prompt = persona_prompt(
+            rng,
+            sig.persona,
+            f"""
+            Compute the integral of f(x) = {a}*sin({b}*x) + {c}*x**2 over [0, {L}] and write the number to
+            {out}. A relative error below 1e-6 is required.""",
+        )
+        solve = f"python3 -c \"import math; n=20000; h={L}/n; f=lambda x: {a}*math.sin({b}*x)+{c}*x*x; s=f(0)+f({L})+sum((4 if i%2 else 2)*f(i*h) for i in range(1,n)); open('{out}','w').write(repr(s*h/3))\"\n"
+        check = f"""
+            from pathlib import Path
+            def grade():
+                p = Path({out!r})
+                if not p.is_file():
+                    return 0.0
+                try:
+                    v = float(p.read_text().strip())
+                except ValueError:
+                    return 0.0
+                return metric_threshold(abs(v - {exact!r}) / abs({exact!r}), 1e-6, 1.0, higher_is_better=False)
+            """
+        draft = TaskDraft(self.name, prompt, solve, check, files_exist_test([], [out]), f"mkdir -p {w}\n", {})
+        draft.params = {"output": out, "exact": exact}
+        return draft
+
+
+@register
+class OdeDecay(Family):
+    name, domain, skill_type, primitive_skill = (
+        "ode_decay",
+        "scientific_computing",
+        "simulation",
+        "ode_integration",
+    )
+    verifier_kind = "metric_threshold"
+
+    def make(self, rng, sig):
+        w = workdir(rng)
+        k, s, y0, T = (
+            round(rng.uniform(0.1, 2), 3),
+            round(rng.uniform(0, 5), 3),
+            round(rng.uniform(1, 10), 3),
+            rng.randint(1, 10),
+        )
+        exact = s / k + (y0 - s / k) * math.exp(-k * T)
+        out = f"{w}/y_at_T.txt"
+        prompt = persona_prompt(
+            rng,
+            sig.persona,
+            f"""
+            Integrate dy/dt = -{k}*y + {s} with y(0) = {y0} up to t = {T} and write y({T}) to {out}
+            (absolute error below 1e-5).""",
+        )
+        solve = (
+            f'python3 -c "\nk,s,y,T={k},{s},{y0},{T}\nn=4000;h=T/n\nf=lambda y:-k*y+s\n'
+            f"for _ in range(n):\n  a=f(y);b=f(y+h*a/2);c=f(y+h*b/2);d=f(y+h*c);y+=h*(a+2*b+2*c+d)/6\n"
+            f"open('{out}','w').write(repr(y))\"\n"
+        )
+        check = f"""
+            from pathlib import Path
+            def grade():
+                p = Path({out!r})
+                if not p.is_file():
+                    return 0.0
+                try:
+                    v = float(p.read_text().strip())
+                except ValueError:
+                    return 0.0
+                return metric_threshold(abs(v - {exact!r}), 1e-5, 1.0, higher_is_better=False)
+            """
+        return TaskDraft(self.name, prompt, solve, check, files_exist_test([], [out]), f"mkdir -p {w}\n", {})
+
+
+@register
+class SignalStats(Family):
+    name, domain, skill_type, primitive_skill = (
+        "signal_stats",
+        "scientific_computing",
+        "data_reduction",
+        "signal_stats",
+    )
+    verifier_kind = "metric_threshold"
+
+    def make(self, rng, sig):
+        w = workdir(rng)
+        mu, sd = rng.uniform(-10, 10), rng.uniform(0.5, 5)
+        xs = [rng.gauss(mu, sd) for _ in range(500 * COMPLEXITY_SCALE[sig.task_complexity])]
+        m = sum(xs) / len(xs)
+        std = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+        out = f"{w}/stats.txt"
+        prompt = persona_prompt(
+            rng,
+            sig.persona,
+            f"""
+            {w}/signal.txt has one sample per line. Write '<mean> <sample standard deviation>' (n-1 in the
+            denominator) on one line to {out}.""",
+        )
+        solve = f"python3 -c \"import statistics as s; x=[float(v) for v in open('{w}/signal.txt').read().split()]; open('{out}','w').write(f'{{s.fmean(x)}} {{s.stdev(x)}}')\"\n"
+        check = f"""
+            from pathlib import Path
+            def grade():
+                p = Path({out!r})
+                try:
+                    m, s = (float(v) for v in p.read_text().split())
+                except Exception:
+                    return 0.0
+                err = max(abs(m - {m!r}), abs(s - {std!r})) / {std!r}
+                return metric_threshold(err, 1e-6, 1.0, higher_is_better=False)
+            """
+        return TaskDraft(
+            self.name,
+            prompt,
+            solve,
+            check,
+            files_exist_test([f"{w}/signal.txt"], [out]),
+            copy_fixtures_setup(w),
+            {"signal.txt": "".join(f"{x!r}\n" for x in xs)},
+        )
+
+
+@register
+class UnitConversion(Family):
+    name, domain, skill_type, primitive_skill = (
+        "unit_conversion",
+        "scientific_computing",
+        "data_reduction",
+        "unit_conversion",
+    )
+    command_complexity = "bash-only"
+
+    def make(self, rng, sig):
+        w = workdir(rng)
+        temps = [round(rng.uniform(-40, 220), 1) for _ in range(8 * COMPLEXITY_SCALE[sig.task_complexity])]
+        stations = [f"{word(rng)}{i}" for i in range(len(temps))]
+        truth = "\n".join(f"{s},{(t - 32) * 5 / 9:.2f}" for s, t in zip(stations, temps))
+        out = f"{w}/celsius.csv"
+        prompt = persona_prompt(
+            rng,
+            sig.persona,
+            f"""
+            {w}/fahrenheit.csv has 'station,temp_f' lines (no header). Write {out} with 'station,temp_c'
+            lines in the same order, Celsius with exactly 2 decimals.""",
+        )
+        solve = f"python3 -c \"import sys; rows=[l.split(',') for l in open('{w}/fahrenheit.csv').read().split()]; open('{out}','w').write(''.join(f'{{s}},{{(float(t) - 32) * 5 / 9:.2f}}' + chr(10) for s, t in rows))\"\n"
+        fixtures = {"fahrenheit.csv": "".join(f"{s},{t}\n" for s, t in zip(stations, temps))}
+        draft = TaskDraft(
+            self.name,
+            prompt,
+            solve,
+            _text_check(out, truth),
+            files_exist_test([f"{w}/fahrenheit.csv"], [out]),
+            copy_fixtures_setup(w),
+            fixtures,
+            truth,
+        )
+        draft.params = {"output": out}
+        return draft
