@@ -119,6 +119,38 @@ def test_jetstream_interface_calls(engine):
     assert out.tokens == tokens
 
 
+def test_jetstream_driver_flow_with_built_tokenizer(engine, tokenizer):
+    """The calls JetStream's driver makes, in its order, with the tokenizer built by the engine."""
+    tok = engine.build_tokenizer(engine.get_tokenizer())
+    text_ids = tokenizer.encode("ls -la /tmp", add_special_tokens=False)
+    enc, n = tok.encode("ls -la /tmp", is_bos=False, max_prefill_length=engine.max_prefill_length)
+    assert n == len(text_ids) and enc[:n].tolist() == text_ids and enc.shape[0] == 1 << (n - 1).bit_length()
+    # The tiny model's vocabulary (256) is smaller than the tokenizer's: pad raw ids for the run.
+    padded, true_length = tok.pad([5, 17, 99, 3, 250, 42, 8], is_bos=False, max_prefill_length=16)
+    assert padded.shape == (8,) and true_length == 7
+    params = engine.load_params()
+    decode_state = engine.init_decode_state()
+    prefix, first = engine.prefill(params=params, padded_tokens=padded, true_length=true_length)
+    tokens = [int(first.convert_to_numpy().get_result_at_slot(0).tokens[0, 0])]
+    decode_state = engine.insert(prefix, decode_state, slot=1)
+    engine.free_resource(0)
+    while len(tokens) < 8:
+        decode_state, result = engine.generate(params, decode_state)
+        slot = result.convert_to_numpy().get_result_at_slot(1)
+        if slot.valid[0, 0]:
+            tokens.append(int(slot.tokens[0, 0]))
+    ours = Orchestrator(engine)
+    try:
+        greedy = SamplingParams(temperature=0.0)  # the engine's default when JetStream passes none
+        ref = ours.submit(
+            Request(prompt=padded[:true_length].tolist(), max_tokens=8, sampling=greedy)
+        ).result()
+    finally:
+        ours.stop()
+    assert tokens == ref.tokens
+    assert tok.decode(tokens) == tokenizer.decode(tokens)
+
+
 def test_continuous_batching_equals_one_at_a_time(model, engine, orch):
     rng = np.random.default_rng(0)
     reqs = [

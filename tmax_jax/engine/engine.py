@@ -230,7 +230,10 @@ class Engine(EngineAPI):
         return self._tokenizer
 
     def build_tokenizer(self, metadata: Any) -> Any:
-        return metadata
+        """JetStream's tokenizer face (padding ``encode``, ``stop_tokens``...) over ``metadata``."""
+        from tmax_jax.engine.jetstream_tokenizer import JetStreamTokenizer
+
+        return JetStreamTokenizer(metadata, stop_tokens=set(self.eos_token_ids) or None)
 
     def get_prefix_destination_sharding(self) -> Any:
         return None
