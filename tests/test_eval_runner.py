@@ -209,6 +209,17 @@ def test_crashing_agent_is_an_error_not_a_failure(task_set, tmp_path):
     )
 
 
+def test_task_needing_internet_at_run_time_is_unavailable_offline(tmp_path):
+    _task(
+        tmp_path, "fetch", "net", "Download the page.", "FROM ubuntu:24.04\n", "true", {"solve.sh": "true\n"}
+    )
+    toml = tmp_path / "fetch" / "task.toml"
+    toml.write_text(toml.read_text().replace("allow_internet = false", "allow_internet = true"))
+    (task,) = find_eval_tasks(tmp_path)
+    assert not task.environment.available and "allow_internet" in task.environment.reason
+    assert find_eval_tasks(tmp_path, network=True)[0].environment.available
+
+
 def test_bad_task_set_is_named(tmp_path):
     with pytest.raises(TaskFormatError, match="not found"):
         find_eval_tasks(tmp_path / "nope")

@@ -44,7 +44,12 @@ def find_eval_tasks(root: str | Path, *, network: bool = False) -> list[EvalTask
         if task.format != "harbor":
             continue
         task_id = path.relative_to(root).as_posix() if path != root else path.name
-        out.append(EvalTask(task_id, path, _category(task), check_environment(path, network=network), task))
+        env = check_environment(path, network=network)
+        if env.available and not network and task.limits.allow_internet:
+            env = EnvironmentCheck(
+                False, "task.toml allows internet at run time (allow_internet = true) and this run is offline"
+            )
+        out.append(EvalTask(task_id, path, _category(task), env, task))
     if not out:
         raise TaskFormatError(f"no Harbor tasks (task.toml + instruction.md + tests/test.sh) under {root}")
     return sorted(out, key=lambda t: t.task_id)
