@@ -26,6 +26,9 @@ class AgentConfig:
     max_format_errors: int = 64
     max_output_chars: int = 8192
     command_timeout_s: float = 60.0
+    # Render the bash tool's JSON schema into the system turn (the chat template's tools block).
+    # Tiny demo models skip it: the system prompt alone names the tool and saves ~300 tokens a turn.
+    tool_schema_in_prompt: bool = True
     system_prompt: str = (
         "You are an expert terminal agent. Solve the task by running bash commands with the bash tool, "
         "one tool call per reply. When the task is complete, run `echo " + SUBMIT_MARKER + "`."

@@ -1,0 +1,35 @@
+"""``tmax-jax train CONFIG.yaml [--run-dir DIR] [--set key.sub=value ...]``: the RL run (resumes when RUN_DIR has checkpoints)."""
+
+from __future__ import annotations
+
+import json
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="warm start + asynchronous DPPO on sandboxed terminal tasks")
+    p.add_argument("config", help="YAML config (overrides of TrainConfig; see configs/tiny-cpu.yaml)")
+    p.add_argument("--run-dir", help="run directory (default: the config's run_dir)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set steps=5 --set rl.loss.delta=0.2 (repeatable)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from tmax_jax.config import parse_dotted
+    from tmax_jax.train.config import load_train_config
+    from tmax_jax.train.loop import train
+
+    overrides = parse_dotted(args.overrides)
+    if args.run_dir:
+        overrides["run_dir"] = args.run_dir
+    cfg = load_train_config(args.config, overrides)
+    summary = train(cfg, progress=not args.no_progress)
+    print(json.dumps(summary))
+    return 130 if summary.get("interrupted") else 0

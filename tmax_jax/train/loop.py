@@ -1,0 +1,429 @@
+"""``tmax-jax train``: warm start, then asynchronous DPPO with rollouts in sandboxes.
+
+One process runs everything: rollout workers (episode threads over the sandbox pool and the
+engine's orchestrator) produce one batch of groups per step, up to ``async_steps`` ahead of the
+trainer; the trainer drops stale groups, soft-filters flat groups, computes group advantages,
+packs the trajectories into rows, runs the jitted DPPO step and pushes the new weights to the
+engine (no recompilation; episodes in flight continue with the new weights, and every token
+records the version that sampled it). Checkpoints (orbax) carry the train state and the prompt
+loader position, so a killed run resumes at the step after its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tmax_jax.agent.chat import ChatFormatter
+from tmax_jax.agent.protocol import BASH_TOOL
+from tmax_jax.agent.trajectory import write_jsonl
+from tmax_jax.data import DataConfig, PromptLoader
+from tmax_jax.errors import TmaxError
+from tmax_jax.train.config import TrainConfig
+from tmax_jax.train.metrics import MetricsWriter
+from tmax_jax.train.plot import line_chart
+from tmax_jax.train.queue import QueueClosed, RolloutBatch, RolloutQueue
+from tmax_jax.train.rollout import RolloutWorkers, demonstrations
+from tmax_jax.train.setup import load_task_sets, policy_checkpoint, prepare_run_dir
+
+
+def _log(msg: str) -> None:
+    print(f"[tmax-jax train] {msg}", file=sys.stderr, flush=True)
+
+
+def _dtype(name: str):
+    return jnp.dtype(name)
+
+
+def _pow2_rows(batch: dict, multiple: int) -> dict:
+    """Pad the packed batch with empty rows to a power-of-two row count (few distinct compiles)."""
+    rows = batch["input_ids"].shape[0]
+    target = max(multiple, 1 << max(rows - 1, 0).bit_length())
+    target = -(-target // multiple) * multiple
+    if target == rows:
+        return batch
+    return {k: np.pad(v, ((0, target - rows), (0, 0))) for k, v in batch.items()}
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, *, progress: bool = True):
+        self.cfg = cfg
+        self.progress = progress
+        self.run_dir = prepare_run_dir(cfg)
+        self._stop = threading.Event()
+        self._trainer_step = 0
+        self._step_cv = threading.Condition()
+
+    # ------------------------------------------------------------------ set-up
+    def _build(self):
+        from tmax_jax.checkpoints import load_hf
+        from tmax_jax.engine.engine import Engine
+        from tmax_jax.engine.orchestrator import Orchestrator
+        from tmax_jax.rl.state import TrainCheckpointer
+        from tmax_jax.rl.train_step import TrainStep
+        from tmax_jax.sharding import make_mesh
+        from tmax_jax.tokenizer import load_tokenizer
+
+        cfg = self.cfg
+        init = policy_checkpoint(cfg, self.run_dir)
+        self.tokenizer = load_tokenizer(init)
+        self.chat = ChatFormatter(
+            self.tokenizer, tools=[BASH_TOOL], template_kwargs={"enable_thinking": False}
+        )
+        self.train_tasks, self.heldout_tasks = load_task_sets(cfg, self.run_dir)
+        _log(f"{len(self.train_tasks)} train tasks, {len(self.heldout_tasks)} held-out; policy from {init}")
+        self.mesh = make_mesh(cfg.mesh)
+
+        init = self._warm_start(init, load_hf, TrainStep)
+        self.policy_init = init
+        model = load_hf(
+            init, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, remat=cfg.rl.train_step.remat
+        )
+        self.train_step = TrainStep(model, cfg.rl, self.mesh, cfg.mesh)
+        self.ckpt = TrainCheckpointer(
+            self.run_dir / "checkpoints", save_every=cfg.save_every, keep=cfg.keep_checkpoints
+        )
+        restored = self.ckpt.restore_latest(self.train_step.abstract_state())
+        if restored is None:
+            self.state = self.train_step.init_state(seed=cfg.seed)
+            self.data_state = None
+            self.start_step = 0
+        else:
+            self.start_step, self.state, self.data_state = restored
+            _log(f"resumed from checkpoint step {self.start_step}")
+        engine_model = self.train_step.model(self.state)
+        self.engine = Engine(
+            engine_model,
+            max_concurrent_decodes=cfg.engine.slots,
+            max_cache_length=cfg.engine.max_cache_length,
+            max_prefill_length=cfg.engine.max_prefill_length,
+            cache_dtype=_dtype(cfg.engine.cache_dtype),
+            eos_token_ids=[self.chat.end_id],
+            tokenizer=self.tokenizer,
+        )
+        # The train step donates its state: the engine gets its own copy of the weights.
+        self.engine.update_params(self._engine_params(), version=self.start_step)
+        self.orch = Orchestrator(self.engine, tokenizer=self.tokenizer)
+        self.workers = RolloutWorkers(
+            self.orch,
+            self.chat,
+            cfg.agent,
+            cfg.sandbox,
+            workers=cfg.rollout_workers,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+        )
+        records = [{"task_id": str(i)} for i in range(len(self.train_tasks))]
+        self.loader = PromptLoader(
+            records, cfg.prompts_per_step, DataConfig(seed=cfg.seed), shard_index=0, shard_count=1
+        )
+        if self.data_state:
+            self.loader.set_state(self.data_state["loader"])
+        self.metrics = MetricsWriter(self.run_dir)
+        self.metrics.truncate_after(self.start_step)
+
+    def _engine_params(self):
+        from flax import nnx
+
+        return jax.tree.map(jnp.copy, nnx.state(self.train_step.model(self.state)))
+
+    def _warm_start(self, init: Path, load_hf, TrainStep) -> Path:
+        """SFT on demonstrations into RUN_DIR/sft (once); returns the checkpoint RL starts from."""
+        import dataclasses
+
+        from tmax_jax.checkpoints import save_hf
+        from tmax_jax.rl.packing import pack_trajectories
+        from tmax_jax.train.sft import SFTStep
+
+        sc = self.cfg.sft
+        out = self.run_dir / "sft"
+        if sc.steps == 0:
+            return init
+        if (out / "DONE").is_file():
+            return out
+        t0 = time.monotonic()
+        demos = demonstrations(
+            self.train_tasks * sc.demos_per_task,
+            self.chat,
+            self.cfg.agent,
+            self.cfg.sandbox,
+            workers=self.cfg.rollout_workers,
+        )
+        if not demos:
+            raise TmaxError(
+                "SFT warm start: no task produced a passing demonstration (check the tasks' solutions)"
+            )
+        _log(f"SFT: {len(demos)} demonstrations in {time.monotonic() - t0:.1f}s; {sc.steps} steps")
+        rl = dataclasses.replace(
+            self.cfg.rl,
+            optimizer=dataclasses.replace(
+                self.cfg.rl.optimizer, learning_rate=sc.learning_rate, schedule="constant"
+            ),
+        )
+        model = load_hf(
+            init,
+            dtype=self.cfg.model.dtype,
+            param_dtype=self.cfg.model.param_dtype,
+            remat=rl.train_step.remat,
+        )
+        step = SFTStep(model, rl, self.mesh, self.cfg.mesh)
+        state = step.init_state(seed=self.cfg.seed)
+        rng = np.random.default_rng(self.cfg.seed)
+        bar = _bar(sc.steps, "sft", self.progress)
+        for i in range(sc.steps):
+            pick = rng.choice(len(demos), size=min(sc.batch_size, len(demos)), replace=False)
+            batch, _ = pack_trajectories(
+                [demos[j] for j in pick],
+                [1.0] * len(pick),
+                seq_len=sc.seq_len,
+                rows_multiple=step.rows_multiple,
+            )
+            state, m = step(state, _pow2_rows(batch, step.rows_multiple))
+            if bar is not None:
+                bar.update(1)
+                if i % 10 == 0:
+                    bar.set_postfix(nll=f"{float(m['loss']):.3f}", p=f"{float(m['ratio_mean']):.3f}")
+        if bar is not None:
+            bar.close()
+        save_hf(step.model(state), out, tokenizer=self.tokenizer)
+        (out / "DONE").write_text(
+            json.dumps({"steps": sc.steps, "demos": len(demos), "final_nll": float(m["loss"])})
+        )
+        _log(f"SFT done: final NLL {float(m['loss']):.3f}, saved to {out}")
+        return out
+
+    # ------------------------------------------------------------------ rollouts
+    def _producer(self) -> None:
+        cfg = self.cfg
+        index = self.start_step
+        try:
+            while not self._stop.is_set() and index < cfg.steps:
+                with self._step_cv:
+                    # Bounded lead: batch `index` may start once the trainer reached index - async_steps.
+                    while index - self._trainer_step > cfg.max_staleness and not self._stop.is_set():
+                        self._step_cv.wait(0.5)
+                if self._stop.is_set():
+                    break
+                t0 = time.monotonic()
+                records = self.loader.next_batch()
+                data_state = self.loader.get_state()
+                tasks = [self.train_tasks[int(r["task_id"])] for r in records]
+                keys = [(cfg.seed, index, p) for p in range(len(tasks))]
+                gids = [index * cfg.prompts_per_step + p for p in range(len(tasks))]
+                groups = self.workers.groups(tasks, cfg.group_size, keys, gids)
+                self.queue.put(RolloutBatch(index, groups, data_state, rollout_s=time.monotonic() - t0))
+                index += 1
+        except QueueClosed:
+            pass
+        except BaseException as e:  # surfaced by the trainer loop
+            self._producer_error = e
+            self.queue.close()
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> dict:
+        self._build()
+        cfg = self.cfg
+        summary_path = self.run_dir / "summary.json"
+        before_path = self.run_dir / "eval_before.json"
+        if before_path.is_file():
+            before = json.loads(before_path.read_text())
+        else:
+            _log(
+                f"held-out pass rate before RL ({len(self.heldout_tasks)} tasks x {cfg.eval.samples_per_task})"
+            )
+            before = self.workers.pass_rate(self.heldout_tasks, cfg.eval.samples_per_task, cfg.seed)
+            before_path.write_text(json.dumps(before))
+        _log(f"before: pass rate {before['pass_rate']:.3f}")
+
+        self.queue = RolloutQueue(capacity=max(cfg.max_staleness, 1), max_staleness=cfg.max_staleness)
+        self._producer_error = None
+        self._trainer_step = self.start_step
+        producer = threading.Thread(target=self._producer, name="tmax-rollouts", daemon=True)
+        interrupted = False
+        old_handler = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        producer.start()
+        bar = _bar(cfg.steps, "rl", self.progress, initial=self.start_step)
+        step = self.start_step
+        try:
+            while step < cfg.steps:
+                t_wait = time.monotonic()
+                try:
+                    batch = self.queue.get(current_version=step)
+                except QueueClosed:
+                    raise TmaxError(
+                        f"rollout worker failed: {self._producer_error!r}"
+                    ) from self._producer_error
+                wait_s = time.monotonic() - t_wait
+                t_train = time.monotonic()
+                metrics = self._train_on(batch, step)
+                step += 1
+                self.engine.update_params(self._engine_params(), version=step)
+                with self._step_cv:
+                    self._trainer_step = step
+                    self._step_cv.notify_all()
+                metrics.update(
+                    trainer_wait_s=wait_s,
+                    train_s=time.monotonic() - t_train,
+                    rollout_s=batch.rollout_s,
+                    **self.workers.stats.snapshot_and_reset(),
+                )
+                if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
+                    ev = self.workers.pass_rate(self.heldout_tasks, cfg.eval.samples_per_task, cfg.seed)
+                    metrics["heldout_pass_rate"] = ev["pass_rate"]
+                self.metrics.write(step, metrics)
+                self.ckpt.save(step, self.state, {"loader": batch.data_state, "version": step})
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(
+                        reward=f"{metrics['reward_mean']:.2f}",
+                        pass_=f"{metrics['pass_rate']:.2f}",
+                        masked=f"{metrics.get('masked_fraction', 0.0):.3f}",
+                        gap=f"{metrics.get('max_abs_logprob_diff', 0.0):.2g}",
+                    )
+        except KeyboardInterrupt:
+            interrupted = True
+            _log(f"interrupted: saving step {step} and exiting")
+            if step > self.start_step and step not in self.ckpt.steps():
+                self.ckpt.save(
+                    step, self.state, {"loader": self.loader.get_state(), "version": step}, force=True
+                )
+        finally:
+            signal.signal(signal.SIGTERM, old_handler)
+            if bar is not None:
+                bar.close()
+            self._stop.set()
+            self.queue.close()
+            self.workers.close()
+            self.orch.stop()
+            producer.join(timeout=60)
+            self.ckpt.close()
+            self.metrics.close()
+        if interrupted:
+            return {"interrupted": True, "step": step}
+        _log("held-out pass rate after RL")
+        after = self._final_eval()
+        summary = self._summary(before, after, step)
+        summary_path.write_text(json.dumps(summary, indent=2))
+        self._plot(before, after)
+        _log(
+            f"done: pass rate {summary['pass_rate_before']:.3f} -> {summary['pass_rate_after']:.3f} "
+            f"({summary['steps']} steps); summary in {summary_path}"
+        )
+        return summary
+
+    def _final_eval(self) -> dict:
+        from tmax_jax.engine.orchestrator import Orchestrator
+
+        # The rollout workers were shut down with the loop; evaluate with a fresh orchestrator.
+        self.orch = Orchestrator(self.engine, tokenizer=self.tokenizer)
+        self.workers = RolloutWorkers(
+            self.orch,
+            self.chat,
+            self.cfg.agent,
+            self.cfg.sandbox,
+            workers=self.cfg.rollout_workers,
+            temperature=self.cfg.temperature,
+            top_p=self.cfg.top_p,
+        )
+        try:
+            return self.workers.pass_rate(self.heldout_tasks, self.cfg.eval.samples_per_task, self.cfg.seed)
+        finally:
+            self.workers.close()
+            self.orch.stop()
+
+    def _train_on(self, batch: RolloutBatch, step: int) -> dict:
+        from tmax_jax.rl.advantages import group_advantages
+        from tmax_jax.rl.packing import pack_trajectories
+
+        cfg = self.cfg
+        trajs = [t for g in batch.groups for t in g.trajectories]
+        if cfg.save_trajectories and trajs:
+            write_jsonl(self.run_dir / "trajectories" / f"step_{step + 1:06d}.jsonl", trajs)
+        rewards = [t.reward for t in trajs]
+        metrics: dict = {
+            "reward_mean": float(np.mean(rewards)) if rewards else 0.0,
+            "pass_rate": float(np.mean([t.info.get("passed", False) for t in trajs])) if trajs else 0.0,
+            "groups_stale_dropped": batch.dropped_stale,
+            "episode_turns_mean": float(np.mean([t.num_turns for t in trajs])) if trajs else 0.0,
+            "episode_tokens_mean": float(np.mean([len(t.tokens) for t in trajs])) if trajs else 0.0,
+            "format_errors_mean": float(np.mean([t.num_format_errors for t in trajs])) if trajs else 0.0,
+            "staleness_max": max((step - t.min_version for t in trajs if t.num_generated), default=0),
+        }
+        if not trajs:
+            metrics["skipped_update"] = 1
+            return metrics
+        adv = group_advantages(rewards, [t.group_id for t in trajs], cfg.rl.advantage)
+        metrics.update({f"adv/{k}": v for k, v in adv.stats().items()})
+        kept = [i for i, k in enumerate(adv.keep) if k]
+        if not kept:
+            metrics["skipped_update"] = 1  # every group was flat: no learning signal this step
+            return metrics
+        packed, _ = pack_trajectories(
+            [trajs[i] for i in kept],
+            [float(adv.advantages[i]) for i in kept],
+            seq_len=cfg.seq_len,
+            rows_multiple=self.train_step.rows_multiple,
+        )
+        packed = _pow2_rows(packed, self.train_step.rows_multiple)
+        t0 = time.monotonic()
+        self.state, m = self.train_step(self.state, packed)
+        m = {k: float(v) for k, v in m.items()}
+        dt = time.monotonic() - t0
+        metrics.update(m)
+        metrics["skipped_update"] = 0
+        metrics["train_tokens_per_s"] = float(packed["segment_ids"].astype(bool).sum()) / max(dt, 1e-9)
+        return metrics
+
+    def _summary(self, before: dict, after: dict, step: int) -> dict:
+        rows = self.metrics.read()
+        return {
+            "run_dir": str(self.run_dir),
+            "steps": step,
+            "policy_init": str(self.policy_init),
+            "pass_rate_before": before["pass_rate"],
+            "pass_rate_after": after["pass_rate"],
+            "reward_before": before["reward_mean"],
+            "reward_after": after["reward_mean"],
+            "heldout_tasks": len(self.heldout_tasks),
+            "samples_per_task": self.cfg.eval.samples_per_task,
+            "train_pass_rate_per_step": [r.get("pass_rate") for r in rows],
+        }
+
+    def _plot(self, before: dict, after: dict) -> None:
+        rows = self.metrics.read()
+        series = {
+            "train pass rate": [(r["step"], r["pass_rate"]) for r in rows if r.get("pass_rate") is not None]
+        }
+        held = [(0, before["pass_rate"])] + [
+            (r["step"], r["heldout_pass_rate"]) for r in rows if r.get("heldout_pass_rate") is not None
+        ]
+        held.append((rows[-1]["step"] if rows else 0, after["pass_rate"]))
+        series["held-out pass rate"] = held
+        line_chart(self.run_dir / "learning_curve.png", series, title="tmax-jax DPPO: pass rate per step")
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _bar(total: int, desc: str, enabled: bool, initial: int = 0):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, file=sys.stderr)
+
+
+def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
+    return Trainer(cfg, progress=progress).run()
+
+
+__all__ = ["Trainer", "train"]

@@ -1,0 +1,176 @@
+"""Rollout workers: episodes of the agent in sandboxes, driven by the engine's orchestrator.
+
+Each episode is one thread (blocking on the sandbox and on its engine session); the orchestrator
+batches the decode steps of all live episodes. ``RolloutWorkers`` turns prompts into groups of
+``group_size`` trajectories with verifier rewards, and evaluates pass rates on held-out tasks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+
+from tmax_jax.agent.chat import ChatFormatter
+from tmax_jax.agent.engine_policy import EnginePolicy
+from tmax_jax.agent.episode import AgentConfig, run_episode
+from tmax_jax.agent.scripted import ScriptedPolicy
+from tmax_jax.agent.trajectory import Trajectory
+from tmax_jax.engine.orchestrator import Orchestrator
+from tmax_jax.sandbox.config import SandboxConfig
+from tmax_jax.tasks.model import Task
+from tmax_jax.tasks.runner import run_task
+from tmax_jax.train.queue import Group
+
+
+def episode_seed(run_seed: int, *keys: int) -> int:
+    """A distinct 31-bit sampling seed per (run, step, prompt, sample), stable across resumes."""
+    return int(np.random.SeedSequence([run_seed & 0xFFFFFFFF, *keys]).generate_state(1)[0] >> 1)
+
+
+@dataclasses.dataclass
+class RolloutStats:
+    episodes: int = 0
+    failures: Counter = dataclasses.field(default_factory=Counter)
+    generated_tokens: int = 0
+    episode_s: float = 0.0
+
+    def snapshot_and_reset(self) -> dict:
+        out = {
+            "episodes": self.episodes,
+            "episode_failures": sum(self.failures.values()),
+            "generated_tokens": self.generated_tokens,
+        }
+        self.episodes, self.generated_tokens, self.episode_s = 0, 0, 0.0
+        self.failures = Counter()
+        return out
+
+
+class RolloutWorkers:
+    def __init__(
+        self,
+        orchestrator: Orchestrator,
+        chat: ChatFormatter,
+        agent_cfg: AgentConfig,
+        sandbox_cfg: SandboxConfig,
+        *,
+        workers: int,
+        temperature: float,
+        top_p: float = 1.0,
+    ):
+        self.orch = orchestrator
+        self.chat = chat
+        self.agent_cfg = agent_cfg
+        self.sandbox_cfg = sandbox_cfg
+        self.temperature = temperature
+        self.top_p = top_p
+        self.pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tmax-episode")
+        self.stats = RolloutStats()
+        self._lock = threading.Lock()
+        self.stopping = threading.Event()
+
+    def episode(self, task: Task, seed: int, group_id: int) -> Trajectory | None:
+        """One episode with the current policy; None when the task's environment failed (not the model)."""
+        if self.stopping.is_set():
+            return None
+        policy = EnginePolicy(
+            self.orch,
+            stop_token_ids=[self.chat.end_id],
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=seed,
+        )
+
+        def agent(task: Task, shell) -> Trajectory:
+            return run_episode(
+                task.prompt, policy, shell, self.chat, self.agent_cfg, task_id=task.name, group_id=group_id
+            )
+
+        t0 = time.monotonic()
+        try:
+            result = run_task(task, agent, self.sandbox_cfg)
+        finally:
+            policy.close()
+        traj = result.agent_output
+        with self._lock:
+            self.stats.episodes += 1
+            self.stats.episode_s += time.monotonic() - t0
+            if traj is None:
+                self.stats.failures[result.reason.split(":")[0]] += 1
+                return None
+            self.stats.generated_tokens += traj.num_generated
+        traj.reward = float(result.reward)
+        traj.info = {"reason": result.reason, "passed": bool(result.passed), "duration_s": result.duration_s}
+        return traj
+
+    def groups(
+        self, tasks: Sequence[Task], group_size: int, seed_keys: Sequence[tuple[int, ...]], group_ids
+    ) -> list[Group]:
+        """Run ``group_size`` episodes per task concurrently; returns one Group per task."""
+        futures = {
+            (t, g): self.pool.submit(self.episode, task, episode_seed(*seed_keys[t], g), group_ids[t])
+            for t, task in enumerate(tasks)
+            for g in range(group_size)
+        }
+        out = []
+        for t, task in enumerate(tasks):
+            trajs = [futures[(t, g)].result() for g in range(group_size)]
+            out.append(Group(task.name, [tr for tr in trajs if tr is not None]))
+        return out
+
+    def pass_rate(self, tasks: Sequence[Task], samples: int, run_seed: int) -> dict:
+        """Mean reward and pass rate over ``tasks x samples`` episodes with the current policy."""
+        groups = self.groups(
+            tasks, samples, [(run_seed, 999_999, i) for i in range(len(tasks))], range(len(tasks))
+        )
+        trajs = [tr for g in groups for tr in g.trajectories]
+        if not trajs:
+            return {"pass_rate": 0.0, "reward_mean": 0.0, "episodes": 0}
+        return {
+            "pass_rate": float(np.mean([tr.info["passed"] for tr in trajs])),
+            "reward_mean": float(np.mean([tr.reward for tr in trajs])),
+            "episodes": len(trajs),
+            "turns_mean": float(np.mean([tr.num_turns for tr in trajs])),
+        }
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def demonstrations(
+    tasks: Sequence[Task],
+    chat: ChatFormatter,
+    agent_cfg: AgentConfig,
+    sandbox_cfg: SandboxConfig,
+    *,
+    workers: int,
+) -> list[Trajectory]:
+    """Replay each task's reference solution through the harness (one bash call with solve.sh's body)
+    and keep the trajectories the verifier accepts: SFT data in exactly the format of RL episodes."""
+
+    def one(task: Task) -> Trajectory | None:
+        if task.solution is None or not task.solution.is_file():
+            return None
+        body = "\n".join(
+            ln for ln in task.solution.read_text().splitlines() if ln.strip() and not ln.startswith("#!")
+        )
+        policy = ScriptedPolicy([body], chat)
+        result = run_task(
+            task,
+            lambda t, sh: run_episode(t.prompt, policy, sh, chat, agent_cfg, task_id=t.name),
+            sandbox_cfg,
+        )
+        traj = result.agent_output
+        if traj is None or not result.passed:
+            return None
+        traj.reward = float(result.reward)
+        return traj
+
+    with cf.ThreadPoolExecutor(max_workers=workers) as ex:
+        return [t for t in ex.map(one, tasks) if t is not None]

@@ -1,0 +1,125 @@
+"""What a run needs before its first step: the policy checkpoint, the task sets, the run directory."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import yaml
+
+from tmax_jax.config import to_dict
+from tmax_jax.errors import ConfigError, TaskFormatError
+from tmax_jax.tasks import load_task
+from tmax_jax.tasks.loader import find_tasks
+from tmax_jax.tasks.model import Task
+from tmax_jax.train.config import TrainConfig
+from tmax_jax.train.demo_tasks import WORDS, write_tasks
+
+PROCEDURAL_FAMILIES = {"write_word"}
+
+# Fields that may change when a run is resumed (extending a run, or moving it).
+RESUMABLE_CHANGES = {"steps", "run_dir", "save_every", "keep_checkpoints", "rollout_workers"}
+
+
+def prepare_run_dir(cfg: TrainConfig) -> Path:
+    """Create the run dir and write ``config.yaml``; on resume, refuse a config that changed."""
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.yaml"
+    new = to_dict(cfg)
+    if path.exists():
+        old = yaml.safe_load(path.read_text()) or {}
+        changed = sorted(
+            k for k in set(old) | set(new) if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES
+        )
+        if changed:
+            raise ConfigError(
+                f"{run_dir} holds a run with a different config (changed: {', '.join(changed)}); "
+                "use a new --run-dir or the same config to resume"
+            )
+    path.write_text(yaml.safe_dump(new, sort_keys=False))
+    return run_dir
+
+
+def _tokenizer_corpus(cfg: TrainConfig) -> list[str]:
+    from tmax_jax.agent.protocol import BASH_TOOL, SUBMIT_MARKER, render_tool_call
+    from tmax_jax.tokenizer import _CORPUS
+
+    demo = [f"Write the word {w} into the file /app/answer.txt." for w in WORDS]
+    demo += [render_tool_call(f"echo {w} > /app/answer.txt") for w in WORDS]
+    demo += [
+        render_tool_call(f"echo {SUBMIT_MARKER}"),
+        cfg.agent.system_prompt,
+        str(BASH_TOOL),
+        "(exit_code=0)",
+    ]
+    return list(_CORPUS) * 4 + demo * 8
+
+
+def policy_checkpoint(cfg: TrainConfig, run_dir: Path) -> Path:
+    """The HF checkpoint RL starts from: the configured one, or a random tiny one made once per run."""
+    if cfg.model.checkpoint:
+        path = Path(cfg.model.checkpoint)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model.checkpoint {path} is not a checkpoint directory (no config.json)")
+        return path
+    init = run_dir / "init"
+    if not (init / "model.safetensors").is_file() and not (init / "model.safetensors.index.json").is_file():
+        write_tiny_checkpoint(init, seed=cfg.model.init_seed, corpus=_tokenizer_corpus(cfg))
+    return init
+
+
+def write_tiny_checkpoint(
+    out_dir: str | Path, *, seed: int = 0, corpus: list[str] | None = None, vocab_size: int = 512
+) -> Path:
+    """A random tiny Qwen 3.5 checkpoint with a locally trained tokenizer (chat template included)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from tmax_jax.checkpoints import save_hf
+    from tmax_jax.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
+    from tmax_jax.tokenizer import train_tiny_tokenizer
+
+    out = Path(out_dir)
+    tok = train_tiny_tokenizer(out, vocab_size=vocab_size, corpus=corpus)
+    base = Qwen35Config.preset("tiny")
+    cfg = dataclasses.replace(
+        base,
+        vocab_size=max(base.vocab_size, len(tok)),
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+    )
+    model = Qwen35ForCausalLM(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(seed))
+    save_hf(model, out, tokenizer=tok)
+    return out
+
+
+def load_task_sets(cfg: TrainConfig, run_dir: Path) -> tuple[list[Task], list[Task]]:
+    """(train, held-out) tasks. Procedural tasks are written once into RUN_DIR/tasks; held-out seeds
+    are disjoint from training seeds."""
+    if cfg.tasks.dir:
+        paths = find_tasks(cfg.tasks.dir)
+        tasks = []
+        for p in paths:
+            try:
+                tasks.append(load_task(p))
+            except TaskFormatError as e:
+                print(f"tmax-jax train: skipping malformed task {p}: {e}", file=sys.stderr)
+        if len(tasks) < 2:
+            raise ConfigError(f"tasks.dir {cfg.tasks.dir} has {len(tasks)} usable task(s); need at least 2")
+        n_held = min(cfg.tasks.num_heldout, len(tasks) // 4)
+        return tasks[n_held:], tasks[:n_held]
+    unknown = [f for f in cfg.tasks.families if f not in PROCEDURAL_FAMILIES]
+    if unknown:
+        raise ConfigError(f"tasks.families: unknown {unknown} (known: {sorted(PROCEDURAL_FAMILIES)})")
+    root = run_dir / "tasks"
+    base = cfg.tasks.seed * 1_000_000
+    train_seeds = range(base, base + cfg.tasks.num_train)
+    held_seeds = range(base + 500_000, base + 500_000 + cfg.tasks.num_heldout)
+    if not (root / "train").is_dir():
+        write_tasks(root / "train", train_seeds)
+        write_tasks(root / "heldout", held_seeds)
+    train = [load_task(p) for p in sorted((root / "train").iterdir())]
+    held = [load_task(p) for p in sorted((root / "heldout").iterdir())]
+    return train, held
