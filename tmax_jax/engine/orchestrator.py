@@ -336,6 +336,9 @@ class Orchestrator:
             self._prefilling += 1
             try:
                 prefix, token, logprob, version = self._prefill_one(handle)
+            except Exception as e:  # this request's failure (e.g. a bad session prefix), not the engine's
+                handle._fail(e)
+                continue
             finally:
                 self._prefilling -= 1
             handle._emit(token, logprob, version)
