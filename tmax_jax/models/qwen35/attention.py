@@ -12,6 +12,51 @@ from tmax_jax.models.qwen35.params import constant, make_param, normal
 from tmax_jax.models.qwen35.rope import apply_partial_rope
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked pad row stays NaN-free
+QUERY_BLOCK = 1024
+
+
+def masked_attention(
+    q_BxTxGxRxE: jax.Array,
+    k_BxSxGxE: jax.Array,
+    v_BxSxGxE: jax.Array,
+    q_idx_BxT: jax.Array,
+    q_seg_BxT: jax.Array,
+    k_idx_S: jax.Array,
+    k_seg_BxS: jax.Array,
+    *,
+    block: int = QUERY_BLOCK,
+) -> jax.Array:
+    """Softmax attention (scores and softmax in float32) where query t sees key s iff
+    ``k_idx[s] <= q_idx[t]`` and ``k_seg[s] == q_seg[t]``.
+
+    Past ``block`` queries the queries run in blocks, each rematerialised in the backward pass, so
+    memory grows with ``block * S`` rather than ``T * S``.
+    """
+    B, T, G, R, E = q_BxTxGxRxE.shape
+    dt = q_BxTxGxRxE.dtype
+
+    def attend(q, q_idx, q_seg):
+        scores = jnp.einsum("btgre,bsge->bgrts", q, k_BxSxGxE, preferred_element_type=jnp.float32) * (E**-0.5)
+        mask_BxTxS = (k_idx_S[None, None, :] <= q_idx[:, :, None]) & (
+            k_seg_BxS[:, None, :] == q_seg[:, :, None]
+        )
+        scores = jnp.where(mask_BxTxS[:, None, None], scores, _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        return jnp.einsum("bgrts,bsge->btgre", probs, v_BxSxGxE)
+
+    if T <= block:
+        return attend(q_BxTxGxRxE, q_idx_BxT, q_seg_BxT)
+    pad = (-T) % block
+    n = (T + pad) // block
+
+    def blocks(x):
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(B, n, block, *x.shape[2:]), 1, 0)
+
+    out = jax.lax.map(
+        lambda xs: jax.checkpoint(attend)(*xs), (blocks(q_BxTxGxRxE), blocks(q_idx_BxT), blocks(q_seg_BxT))
+    )
+    return jnp.moveaxis(out, 0, 1).reshape(B, n * block, G, R, E)[:, :T]
 
 
 class GatedAttention(nnx.Module):
@@ -21,6 +66,7 @@ class GatedAttention(nnx.Module):
         self.dtype = dtype
         self.head_dim = hd
         self.eps = cfg.rms_norm_eps
+        self.query_block = QUERY_BLOCK
         # Query and output gate come out of one projection, interleaved per head: [q_h | gate_h].
         self.q_proj = make_param(
             rngs, init, (D, Hq, 2 * hd), ("embed", "q_heads", "head_dim"), param_dtype, stack
@@ -62,35 +108,32 @@ class GatedAttention(nnx.Module):
         new_cache = None
         if kv_cache is None:
             keys, values = k_BxTxGxE, v_BxTxGxE
-            t = jnp.arange(T)
-            causal_TxS = t[:, None] >= t[None, :]
-            mask_BxTxS = causal_TxS[None] & (segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :])
+            q_idx_BxT = jnp.broadcast_to(jnp.arange(T), (B, T))
+            k_idx_S = jnp.arange(T)
+            q_seg_BxT, k_seg_BxS = segment_ids_BxT, segment_ids_BxT
         else:
             cache_k, cache_v = kv_cache
             S = cache_k.shape[1]
             slot_BxT = lengths_B[:, None] + jnp.arange(T)[None, :]
             # Pads write out of bounds, which mode="drop" discards: the cache never sees them.
-            slot_BxT = jnp.where(valid_BxT, slot_BxT, S)
             rows = jnp.arange(B)[:, None]
-            cache_k = cache_k.at[rows, slot_BxT].set(k_BxTxGxE.astype(cache_k.dtype), mode="drop")
-            cache_v = cache_v.at[rows, slot_BxT].set(v_BxTxGxE.astype(cache_v.dtype), mode="drop")
+            write_BxT = jnp.where(valid_BxT, slot_BxT, S)
+            cache_k = cache_k.at[rows, write_BxT].set(k_BxTxGxE.astype(cache_k.dtype), mode="drop")
+            cache_v = cache_v.at[rows, write_BxT].set(v_BxTxGxE.astype(cache_v.dtype), mode="drop")
             new_cache = (cache_k, cache_v)
             keys, values = cache_k.astype(dt), cache_v.astype(dt)
             new_len_B = lengths_B + valid_BxT.sum(-1).astype(lengths_B.dtype)
-            s = jnp.arange(S)
-            q_slot_BxT = lengths_B[:, None] + jnp.arange(T)[None, :]
-            mask_BxTxS = (s[None, None, :] <= q_slot_BxT[:, :, None]) & (
-                s[None, None, :] < new_len_B[:, None, None]
-            )
+            q_idx_BxT, k_idx_S = slot_BxT, jnp.arange(S)
+            # Every query belongs to its row's one sequence; keys past the new length are empty slots.
+            q_seg_BxT = jnp.ones((B, T), jnp.int32)
+            k_seg_BxS = (k_idx_S[None, :] < new_len_B[:, None]).astype(jnp.int32)
 
-        G = keys.shape[2]
         H = q_BxTxHxE.shape[2]
+        G = keys.shape[2]
         q_BxTxGxRxE = q_BxTxHxE.reshape(B, T, G, H // G, hd)
-        scores = jnp.einsum("btgre,bsge->bgrts", q_BxTxGxRxE, keys, preferred_element_type=jnp.float32)
-        scores = scores * (hd**-0.5)
-        scores = jnp.where(mask_BxTxS[:, None, None], scores, _MASKED)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        attn_BxTxGxRxE = jnp.einsum("bgrts,bsge->btgre", probs, values)
+        attn_BxTxGxRxE = masked_attention(
+            q_BxTxGxRxE, keys, values, q_idx_BxT, q_seg_BxT, k_idx_S, k_seg_BxS, block=self.query_block
+        )
         attn_BxTxHxE = attn_BxTxGxRxE.reshape(B, T, H, hd) * jax.nn.sigmoid(gate_BxTxHxE)
         out_BxTxD = jnp.einsum("bthe,hed->btd", attn_BxTxHxE, self.o_proj[...].astype(dt))
         return out_BxTxD, new_cache
