@@ -1,6 +1,7 @@
 """grain prompt loading: seeded shuffling, disjoint covering shards, epochs, exact resume."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -100,16 +101,25 @@ def test_finite_epochs_end_with_a_short_batch():
 
 
 def test_discover_reads_harbor_and_tmax_tasks(tmp_path):
-    (tmp_path / "b-harbor" / "tests").mkdir(parents=True)
-    (tmp_path / "b-harbor" / "instruction.md").write_text("Make hello.txt")
+    harbor = tmp_path / "b-harbor"
+    for sub in ("tests", "environment"):
+        (harbor / sub).mkdir(parents=True)
+    (harbor / "instruction.md").write_text("Make hello.txt\n")
+    (harbor / "task.toml").write_text('version = "1.0"\n')
+    (harbor / "tests" / "test.sh").write_text("exit 0\n")
+    (harbor / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\n")
     (tmp_path / "a-tmax" / "fixtures" / "nested").mkdir(parents=True)
-    (tmp_path / "a-tmax" / "task.json").write_text(json.dumps({"instruction": "Count the lines"}))
-    # A fixture that happens to be called instruction.md is not a task of its own.
-    (tmp_path / "a-tmax" / "fixtures" / "nested" / "instruction.md").write_text("fixture")
+    (tmp_path / "a-tmax" / "task.json").write_text(json.dumps({"prompt": "Count the lines"}))
+    (tmp_path / "a-tmax" / "test_final_state.py").write_text("def test_ok():\n    pass\n")
+    # A fixture that happens to hold a task.json is not a task of its own.
+    (tmp_path / "a-tmax" / "fixtures" / "nested" / "task.json").write_text("{}")
     recs = discover_tasks(tmp_path)
     assert [r["task_id"] for r in recs] == ["a-tmax", "b-harbor"]
     ds = prompt_dataset(recs, DataConfig(shuffle=False, num_epochs=1), shard_index=0, shard_count=1)
     assert [ds[0]["instruction"], ds[1]["instruction"]] == ["Count the lines", "Make hello.txt"]
+    # The repository's own example tasks load the same way.
+    repo_tasks = Path(__file__).parent / "tasks"
+    assert {r["task_id"] for r in discover_tasks(repo_tasks)} >= {"harbor_csv_sum", "tmax_log_errors"}
 
 
 def test_bad_inputs_are_named(tmp_path):
@@ -118,7 +128,7 @@ def test_bad_inputs_are_named(tmp_path):
     with pytest.raises(TaskFormatError, match="no task directories"):
         discover_tasks(tmp_path)
     (tmp_path / "task.json").write_text("{broken")
-    with pytest.raises(TaskFormatError, match="not valid JSON"):
+    with pytest.raises(TaskFormatError, match="task.json"):
         read_instruction(tmp_path)
     with pytest.raises(ConfigError, match="shard_index"):
         prompt_dataset(_records(4), shard_index=4, shard_count=4)

@@ -23,9 +23,6 @@ import grain
 
 from tmax_jax.errors import ConfigError, TaskFormatError
 
-HARBOR_MARKER = "instruction.md"
-TMAX_MARKER = "task.json"
-
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
@@ -43,45 +40,28 @@ class DataConfig:
 def discover_tasks(root: str | Path) -> list[dict[str, str]]:
     """Task records ``{"task_id", "path"}`` for every Harbor or TMAX task directory under ``root``.
 
-    Sorted by task id so every host enumerates the corpus identically.
+    Task ids are the directories relative to ``root``, sorted, so every host enumerates the corpus
+    identically. Directory detection is the task loader's (``tmax_jax.tasks.find_tasks``).
     """
+    from tmax_jax.tasks import find_tasks
+
     root = Path(root)
-    if not root.is_dir():
-        raise TaskFormatError(f"task directory not found: {root}")
-    dirs = {p.parent for marker in (HARBOR_MARKER, TMAX_MARKER) for p in root.rglob(marker)}
-    records = []
-    for d in dirs:
-        # Fixtures or solutions of a task may hold files named like the markers: skip nested dirs.
-        if any(a in dirs for a in d.parents if a == root or root in a.parents):
-            continue
-        task_id = d.relative_to(root).as_posix() if d != root else d.name
-        records.append({"task_id": task_id, "path": str(d)})
+    records = [
+        {"task_id": p.relative_to(root).as_posix() if p != root else p.name, "path": str(p)}
+        for p in find_tasks(root)
+    ]
     if not records:
-        raise TaskFormatError(f"no task directories ({HARBOR_MARKER} or {TMAX_MARKER}) under {root}")
-    records.sort(key=lambda r: r["task_id"])
-    ids = [r["task_id"] for r in records]
-    if len(set(ids)) != len(ids):
-        raise TaskFormatError(f"duplicate task ids under {root}")
-    return records
+        raise TaskFormatError(
+            f"no task directories (Harbor task.toml + instruction.md, or TMAX task.json) under {root}"
+        )
+    return sorted(records, key=lambda r: r["task_id"])
 
 
 def read_instruction(path: str | Path) -> str:
-    """The prompt of a Harbor (instruction.md) or TMAX (task.json "instruction") task directory."""
-    path = Path(path)
-    harbor = path / HARBOR_MARKER
-    if harbor.is_file():
-        return harbor.read_text()
-    tmax = path / TMAX_MARKER
-    if tmax.is_file():
-        try:
-            spec = json.loads(tmax.read_text())
-        except json.JSONDecodeError as e:
-            raise TaskFormatError(f"{tmax}: not valid JSON: {e}") from e
-        for key in ("instruction", "prompt"):
-            if isinstance(spec, Mapping) and isinstance(spec.get(key), str):
-                return spec[key]
-        raise TaskFormatError(f"{tmax}: no string 'instruction' field")
-    raise TaskFormatError(f"{path}: neither {HARBOR_MARKER} nor {TMAX_MARKER} found")
+    """The prompt of a Harbor or TMAX task directory, as the task loader reads it."""
+    from tmax_jax.tasks import load_task
+
+    return load_task(path).instruction
 
 
 def _with_instruction(record: Mapping[str, Any]) -> dict[str, Any]:
