@@ -105,8 +105,9 @@ def test_kill_and_resume_reproduces_the_next_step_bit_for_bit(setup, tmp_path, c
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
 
-    ckpt = TrainCheckpointer(ckdir, save_every=1, keep=3)
-    got = ckpt.restore_latest(step.abstract_state())
+    with TrainCheckpointer(ckdir, save_every=1, keep=3) as ckpt:
+        got = ckpt.restore_latest(step.abstract_state())
+        steps = ckpt.steps()
     assert got is not None
     k, state, data = got
     assert 3 <= k <= 5 and data == {"next_index": k} and int(state.step) == k
@@ -119,13 +120,13 @@ def test_kill_and_resume_reproduces_the_next_step_bit_for_bit(setup, tmp_path, c
         np.testing.assert_array_equal(a, b)
 
     # A damaged newest checkpoint is reported and the previous one is used.
-    steps = ckpt.steps()
     newest, previous = steps[-1], steps[-2]
     for f in (ckdir / str(newest) / "state").rglob("*"):
         if f.is_file() and f.parent.name == "d":
             f.write_bytes(f.read_bytes()[:7])
     capfd.readouterr()
-    k2, state2, _ = TrainCheckpointer(ckdir, save_every=1, keep=3).restore_latest(step.abstract_state())
+    with TrainCheckpointer(ckdir, save_every=1, keep=3) as ckpt:
+        k2, state2, _ = ckpt.restore_latest(step.abstract_state())
     assert k2 == previous
     assert f"checkpoint step {newest}" in capfd.readouterr().err
     for a, b in zip(leaves(state2), ref[previous]):
@@ -139,12 +140,14 @@ def test_save_interval_keep_and_errors(setup, tmp_path):
     with TrainCheckpointer(tmp_path / "c", save_every=2, keep=2) as ckpt:
         saved = [ckpt.save(i, state, {"i": i}) for i in range(1, 8)]
     assert saved == [False, True, False, True, False, True, False]
-    assert TrainCheckpointer(tmp_path / "c").steps() == [4, 6]
+    with TrainCheckpointer(tmp_path / "c") as ckpt:
+        assert ckpt.steps() == [4, 6]
+        with pytest.raises(CheckpointError, match="step 3"):
+            ckpt.restore(3, abstract)
     with pytest.raises(CheckpointError, match="keep must be"):
         TrainCheckpointer(tmp_path / "d", keep=0)
-    with pytest.raises(CheckpointError, match="step 3"):
-        TrainCheckpointer(tmp_path / "c").restore(3, abstract)
-    assert TrainCheckpointer(Path(tmp_path / "empty")).restore_latest(abstract) is None
+    with TrainCheckpointer(Path(tmp_path / "empty")) as ckpt:
+        assert ckpt.restore_latest(abstract) is None
 
 
 def _fresh(abstract):
