@@ -19,6 +19,7 @@ COMMAND_MODULES: list[str] = [
     "eval",
     "run_task",
     "generate_tasks",
+    "corpus_stats",
     "plan",
     "train",
     "init_tiny",

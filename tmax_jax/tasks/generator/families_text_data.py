@@ -328,6 +328,17 @@ class WordFrequency(Family):
 WORDS_FOR_TEXT = "river stone cloud signal market garden engine paper window bridge forest shadow letter metal silver planet number".split()
 
 
+def _ocr(png: bytes) -> str:
+    """What the reference solution's pipeline extracts from ``png`` (tesseract, spaces dropped)."""
+    import re
+
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "b.png").write_bytes(png)
+        r = subprocess.run(["tesseract", str(Path(tmp) / "b.png"), "stdout"], capture_output=True, text=True)
+    m = re.search(r"[A-Z]{4}-[0-9]{4}", r.stdout.replace(" ", "").replace("\n", ""))
+    return m.group(0) if m else ""
+
+
 @register
 class OcrCode(Family):
     name, domain, skill_type, primitive_skill = (
@@ -343,16 +354,19 @@ class OcrCode(Family):
         from PIL import Image, ImageDraw, ImageFont
 
         w = workdir(rng)
-        code = (
-            "".join(rng.choice("ABCDEFGHJKLMNPRSTUVWXYZ") for _ in range(4))
-            + "-"
-            + "".join(rng.choice("23456789") for _ in range(4))
-        )
         font = ImageFont.truetype("/usr/share/fonts/truetype/dejavu/DejaVuSansMono-Bold.ttf", 64)
-        img = Image.new("L", (560, 140), 255)
-        ImageDraw.Draw(img).text((30, 30), code, font=font, fill=0)
-        buf = io.BytesIO()
-        img.save(buf, format="PNG")
+        # Keep only renderings that tesseract reads back exactly, so the task is solvable as stated.
+        for _ in range(20):
+            letters = "".join(rng.choice("ABCDEFGHJKLMNPRTUVWXY") for _ in range(4))
+            code = letters + "-" + "".join(rng.choice("2345679") for _ in range(4))
+            img = Image.new("L", (560, 140), 255)
+            ImageDraw.Draw(img).text((30, 30), code, font=font, fill=0)
+            buf = io.BytesIO()
+            img.save(buf, format="PNG")
+            if _ocr(buf.getvalue()) == code:
+                break
+        else:
+            raise RuntimeError("tesseract could not read back any rendered badge")
         out = f"{w}/code.txt"
         prompt = persona_prompt(
             rng,
