@@ -244,3 +244,22 @@ def test_corpus_stats_tables_and_plots(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "12 tasks in" in r.stdout and "verifier_kind" in r.stdout and "difficulty by domain" in r.stdout
     assert (tmp_path / "c" / "stats" / "domain.png").is_file()
+
+
+def test_thirteen_gram_decontamination(tmp_path):
+    from tmax_jax.tasks.decontam import find_contaminated, ngrams
+
+    gen = ProceduralGenerator()
+    made = [gen.generate_one(tmp_path / "corpus", seed=9, index=i) for i in range(6)]
+    leaked = load_task(made[2].path).instruction
+    bench = tmp_path / "bench" / "leaky"
+    (bench / "tests").mkdir(parents=True)
+    words = leaked.split()
+    (bench / "instruction.md").write_text("Benchmark task. " + " ".join(words[3:20]) + " and more.\n")
+    (bench / "task.toml").write_text(
+        "[verifier]\ntimeout_sec = 10\n[environment]\ndocker_image = 'ubuntu:24.04'\n"
+    )
+    (bench / "tests" / "test.sh").write_text("echo 1 > /logs/verifier/reward.txt\n")
+    hits = find_contaminated(tmp_path / "corpus", tmp_path / "bench")
+    assert [h.path.name for h in hits] == [made[2].path.name]
+    assert len(ngrams("one two three", 2)) == 2 and ngrams("too short", 13) == set()
