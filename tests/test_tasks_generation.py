@@ -263,3 +263,34 @@ def test_thirteen_gram_decontamination(tmp_path):
     hits = find_contaminated(tmp_path / "corpus", tmp_path / "bench")
     assert [h.path.name for h in hits] == [made[2].path.name]
     assert len(ngrams("one two three", 2)) == 2 and ngrams("too short", 13) == set()
+
+
+def test_calibration_pass_rates_and_difficulty_band(tmp_path, cfg):
+    from tmax_jax.tasks.calibrate import calibrate, in_band
+    from tmax_jax.tasks.runner import run_oracle
+
+    gen = ProceduralGenerator()
+    made = [gen.generate_one(tmp_path / "c", seed=21, index=i) for i in range(2)]
+    calls = []
+
+    def sometimes(task, sh):  # solves every other attempt: pass rate 1/2
+        calls.append(task.name)
+        if len(calls) % 2:
+            run_oracle(task, sh.sandbox)
+
+    res = calibrate([m.path for m in made], sometimes, k=2, cfg=cfg, concurrency=1)
+    assert [r.pass_rate for r in res] == [0.5, 0.5] and all(len(r.rewards) == 2 for r in res)
+    assert len(in_band(res)) == 2
+    oracle = calibrate([m.path for m in made], "oracle", k=2, cfg=cfg, concurrency=2)
+    assert [r.pass_rate for r in oracle] == [1.0, 1.0] and in_band(oracle) == []
+    out = tmp_path / "calib.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "tmax_jax", "calibrate", str(tmp_path / "c"), "--agent", "noop", "-k", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "TMAX_JAX_CACHE": cfg.cache_dir},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert [t["pass_rate"] for t in report["tasks"]] == [0.0, 0.0] and not any(
+        t["in_band"] for t in report["tasks"]
+    )
+    assert "0/2 tasks in the band" in r.stdout

@@ -20,6 +20,7 @@ COMMAND_MODULES: list[str] = [
     "run_task",
     "generate_tasks",
     "corpus_stats",
+    "calibrate",
     "plan",
     "train",
     "init_tiny",
