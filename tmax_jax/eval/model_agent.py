@@ -45,13 +45,16 @@ class EngineEpisodeAgent:
         self._lock = threading.Lock()
 
     def __call__(self, task: Any, shell: Any) -> Any:
-        from tmax_jax.agent.engine_policy import EnginePolicy
+        from tmax_jax.engine.sampling import SamplingParams
+        from tmax_jax.engine.session import EnginePolicy
 
         with self._lock:
             self._attempts += 1
             seed = self.seed * 100_003 + self._attempts
         policy = EnginePolicy(
-            self.orchestrator, stop_token_ids=[self.chat.end_id], temperature=self.temperature, seed=seed
+            self.orchestrator,
+            sampling=SamplingParams(temperature=self.temperature, seed=seed),
+            stop_token_ids=[self.chat.end_id],
         )
         try:
             return run_episode(task.instruction, policy, shell, self.chat, self.cfg, task_id=str(task.name))

@@ -55,6 +55,11 @@ def _pow2_rows(batch: dict, multiple: int) -> dict:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, *, progress: bool = True):
+        if jax.default_backend() == "cpu":
+            # Seen here (jax 0.10.2, 2 cores): several train steps queued by CPU async dispatch, with
+            # donated state, never complete (the process idles forever). Synchronous dispatch costs
+            # nothing measurable at CPU scale.
+            jax.config.update("jax_cpu_enable_async_dispatch", False)
         self.cfg = cfg
         self.progress = progress
         self.run_dir = prepare_run_dir(cfg)
@@ -75,9 +80,8 @@ class Trainer:
         cfg = self.cfg
         init = policy_checkpoint(cfg, self.run_dir)
         self.tokenizer = load_tokenizer(init)
-        self.chat = ChatFormatter(
-            self.tokenizer, tools=[BASH_TOOL], template_kwargs={"enable_thinking": False}
-        )
+        tools = [BASH_TOOL] if cfg.agent.tool_schema_in_prompt else None
+        self.chat = ChatFormatter(self.tokenizer, tools=tools, template_kwargs={"enable_thinking": False})
         self.train_tasks, self.heldout_tasks = load_task_sets(cfg, self.run_dir)
         _log(f"{len(self.train_tasks)} train tasks, {len(self.heldout_tasks)} held-out; policy from {init}")
         self.mesh = make_mesh(cfg.mesh)
@@ -121,7 +125,7 @@ class Trainer:
             temperature=cfg.temperature,
             top_p=cfg.top_p,
         )
-        records = [{"task_id": str(i)} for i in range(len(self.train_tasks))]
+        records = [{"task_id": str(i), "instruction": t.instruction} for i, t in enumerate(self.train_tasks)]
         self.loader = PromptLoader(
             records, cfg.prompts_per_step, DataConfig(seed=cfg.seed), shard_index=0, shard_count=1
         )
@@ -150,7 +154,7 @@ class Trainer:
         if (out / "DONE").is_file():
             return out
         t0 = time.monotonic()
-        demos = demonstrations(
+        demos, rejected = demonstrations(
             self.train_tasks * sc.demos_per_task,
             self.chat,
             self.cfg.agent,

@@ -17,11 +17,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from tmax_jax.agent.chat import ChatFormatter
-from tmax_jax.agent.engine_policy import EnginePolicy
 from tmax_jax.agent.episode import AgentConfig, run_episode
 from tmax_jax.agent.scripted import ScriptedPolicy
 from tmax_jax.agent.trajectory import Trajectory
 from tmax_jax.engine.orchestrator import Orchestrator
+from tmax_jax.engine.sampling import SamplingParams
+from tmax_jax.engine.session import EnginePolicy
 from tmax_jax.sandbox.config import SandboxConfig
 from tmax_jax.tasks.model import Task
 from tmax_jax.tasks.runner import run_task
@@ -80,10 +81,8 @@ class RolloutWorkers:
             return None
         policy = EnginePolicy(
             self.orch,
+            sampling=SamplingParams(temperature=self.temperature, top_p=self.top_p, seed=seed),
             stop_token_ids=[self.chat.end_id],
-            temperature=self.temperature,
-            top_p=self.top_p,
-            seed=seed,
         )
 
         def agent(task: Task, shell) -> Trajectory:
@@ -150,27 +149,35 @@ def demonstrations(
     sandbox_cfg: SandboxConfig,
     *,
     workers: int,
-) -> list[Trajectory]:
+) -> tuple[list[Trajectory], Counter]:
     """Replay each task's reference solution through the harness (one bash call with solve.sh's body)
-    and keep the trajectories the verifier accepts: SFT data in exactly the format of RL episodes."""
+    and keep the trajectories the verifier accepts: SFT data in exactly the format of RL episodes.
+
+    Returns the demonstrations and the reasons the others were rejected.
+    """
+    # A demonstration is never cut by the per-turn token limit meant for sampling.
+    demo_cfg = dataclasses.replace(agent_cfg, max_tokens_per_turn=max(agent_cfg.max_tokens_per_turn, 4096))
+    rejected: Counter = Counter()
 
     def one(task: Task) -> Trajectory | None:
         if task.solution is None or not task.solution.is_file():
+            rejected["no solution script"] += 1
             return None
         body = "\n".join(
             ln for ln in task.solution.read_text().splitlines() if ln.strip() and not ln.startswith("#!")
         )
         policy = ScriptedPolicy([body], chat)
         result = run_task(
-            task,
-            lambda t, sh: run_episode(t.prompt, policy, sh, chat, agent_cfg, task_id=t.name),
-            sandbox_cfg,
+            task, lambda t, sh: run_episode(t.prompt, policy, sh, chat, demo_cfg, task_id=t.name), sandbox_cfg
         )
         traj = result.agent_output
         if traj is None or not result.passed:
+            why = result.reason if traj is None else f"verifier reward {result.reward} ({traj.finish_reason})"
+            rejected[why] += 1
             return None
         traj.reward = float(result.reward)
         return traj
 
     with cf.ThreadPoolExecutor(max_workers=workers) as ex:
-        return [t for t in ex.map(one, tasks) if t is not None]
+        demos = [t for t in ex.map(one, tasks) if t is not None]
+    return demos, rejected
