@@ -133,6 +133,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--remat", default="none", choices=["none", "full", "dots"])
+    ap.add_argument("--device-counts", default="", help="comma list, default: 1 and all devices")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument(
         "--mfu-peak-tflops", type=float, default=None, help="per-device peak, e.g. 989 for H200 bf16"
@@ -144,11 +145,14 @@ def main() -> None:
     for size in args.sizes.split(","):
         cfg = model_config(size)
         batch = make_batch(cfg, args.rows, args.seq)
-        device_sets = [("jax 1 device", jax.devices()[:1])]
-        if len(jax.devices()) >= 8 and jax.devices()[0].platform == "cpu":
-            device_sets.append(("jax 8 devices", jax.devices()[:8]))
-        elif len(jax.devices()) > 1:
-            device_sets.append((f"jax {len(jax.devices())} devices", jax.devices()))
+        counts = (
+            [int(c) for c in args.device_counts.split(",")] if args.device_counts else [1, len(jax.devices())]
+        )
+        device_sets = []
+        for n in dict.fromkeys(counts):
+            if n > len(jax.devices()):
+                raise SystemExit(f"--device-counts asks for {n} devices; {len(jax.devices())} are present")
+            device_sets.append((f"jax {n} device{'s' * (n > 1)}", jax.devices()[:n]))
         results = {}
         for name, devs in device_sets:
             first, med, n_params = bench_jax(cfg, batch, devs, args.steps, dtype, args.remat)
