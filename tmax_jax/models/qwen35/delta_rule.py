@@ -20,12 +20,30 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-_HI = jax.lax.Precision.HIGHEST
+from tmax_jax.models.qwen35.numerics import f32_matmul_precision
+
 f32 = jnp.float32
 
 
 def _mm(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    return jnp.einsum(spec, a, b, precision=_HI, preferred_element_type=f32)
+    return jnp.einsum(spec, a, b, precision=f32_matmul_precision(), preferred_element_type=f32)
+
+
+def _unit_lower_inverse(strict_lower: jax.Array) -> jax.Array:
+    """``(I + L)^-1`` for strictly lower triangular ``L [..., C, C]`` by forward substitution.
+
+    Row i of the inverse is ``e_i - L[i] @ inv``; rows >= i still hold ``e_j`` then, and L[i, j>=i]
+    is zero, so one pass over the rows is exact. Plain matmuls: no LAPACK triangular-solve custom
+    call (which deadlocked XLA's CPU runtime at large batch) and it runs the same on TPU and GPU.
+    """
+    C = strict_lower.shape[-1]
+    eye = jnp.eye(C, dtype=strict_lower.dtype)
+
+    def row(i, inv):
+        r = eye[i] - _mm("...j,...jk->...k", jax.lax.dynamic_index_in_dim(strict_lower, i, -2, False), inv)
+        return jax.lax.dynamic_update_index_in_dim(inv, r, i, -2)
+
+    return jax.lax.fori_loop(0, C, row, jnp.broadcast_to(eye, strict_lower.shape))
 
 
 def chunked_gated_delta_rule(
@@ -79,13 +97,12 @@ def chunked_gated_delta_rule(
 
     k_beta = k * beta[..., None]
     v_beta = v * beta[..., None]
-    # (I + strictly_lower(diag(beta) K K^T * decay)) is unit lower triangular: solve instead of inverting.
-    ut = _mm("bhnck,bhnsk->bhncs", k_beta, k) * decay
-    lhs = ut
-    u = jax.lax.linalg.triangular_solve(lhs, v_beta, left_side=True, lower=True, unit_diagonal=True)
-    w = jax.lax.linalg.triangular_solve(
-        lhs, k_beta * (jnp.exp(cum) * cont)[..., None], left_side=True, lower=True, unit_diagonal=True
-    )
+    # T = (I + strictly_lower(diag(beta) K K^T * decay))^-1, the UT transform of the chunk.
+    strict = jnp.tril(jnp.ones((C, C), bool), -1)
+    a_strict = jnp.where(strict, _mm("bhnck,bhnsk->bhncs", k_beta, k) * decay, 0.0)
+    t_inv = _unit_lower_inverse(a_strict)
+    u = _mm("bhncs,bhnsv->bhncv", t_inv, v_beta)
+    w = _mm("bhncs,bhnsk->bhnck", t_inv, k_beta * (jnp.exp(cum) * cont)[..., None])
     intra = _mm("bhnck,bhnsk->bhncs", q, k) * decay
     q_read = q * (jnp.exp(cum) * cont)[..., None]
     k_write = k * (jnp.exp(cum[..., -1:] - cum) * in_last)[..., None]

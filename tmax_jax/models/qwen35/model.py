@@ -15,6 +15,7 @@ from tmax_jax.models.qwen35.block import PatternBlock
 from tmax_jax.models.qwen35.cache import Qwen35Cache
 from tmax_jax.models.qwen35.config import Qwen35Config
 from tmax_jax.models.qwen35.norms import zero_centred_rms_norm
+from tmax_jax.models.qwen35.numerics import f32_matmul_precision
 from tmax_jax.models.qwen35.params import constant, make_param, normal
 from tmax_jax.models.qwen35.rope import rope_cos_sin
 
@@ -86,7 +87,7 @@ class Qwen35ForCausalLM(nnx.Module):
             "btd,dv->btv",
             hidden_BxTxD.astype(f32),
             self.lm_head_weight().astype(f32),
-            precision=jax.lax.Precision.HIGHEST,
+            precision=f32_matmul_precision(),
             preferred_element_type=f32,
         )
         return logits_BxTxV if cache is None else (logits_BxTxV, new_cache)

@@ -1,0 +1,176 @@
+"""Prefill speed of the JAX Qwen 3.5 against transformers, and chunked vs recurrent delta rule.
+
+CPU (default): a ~100M-parameter Qwen 3.5 shape at T=1024, jitted JAX forward vs transformers' PyTorch
+forward with the same weights (ratio printed), then the two delta-rule forms at T=2048.
+Accelerator (--accelerator): the 0.8B shape in bfloat16, tokens/s and model FLOP utilisation.
+
+    python benchmarks/bench_model.py
+    python benchmarks/bench_model.py --accelerator --peak-tflops 989
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tmax_jax.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
+from tmax_jax.models.qwen35.delta_rule import chunked_gated_delta_rule, recurrent_gated_delta_rule
+
+# ~100M parameters with Qwen 3.5's structure (3 Gated DeltaNet : 1 gated attention, GQA, partial RoPE).
+CPU_SHAPE = dict(
+    vocab_size=32000,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=128,
+    linear_num_key_heads=8,
+    linear_num_value_heads=8,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+)
+
+
+def best_of(fn, repeats: int) -> float:
+    fn()  # warm-up / compile
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def n_params(model) -> int:
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def forward_flops(cfg: Qwen35Config, n_matmul_params: int, batch: int, seq: int) -> float:
+    """Model FLOPs of one forward: 2 per matmul weight per token, plus causal attention scores."""
+    tokens = batch * seq
+    attn = cfg.num_full_layers * 2 * 2 * batch * seq * seq / 2 * cfg.num_attention_heads * cfg.head_dim
+    # Delta rule per token and head: state read, update, output (~3 rank-1/matvec ops of dk*dv).
+    delta = (
+        cfg.num_linear_layers
+        * tokens
+        * cfg.linear_num_value_heads
+        * 6
+        * cfg.linear_key_head_dim
+        * cfg.linear_value_head_dim
+    )
+    return 2.0 * n_matmul_params * tokens + attn + delta
+
+
+def bench_cpu(args) -> None:
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from tmax_jax.checkpoints import load_hf
+
+    cfg = Qwen35Config.preset("tiny", **CPU_SHAPE, layer_types=())
+    hf_kwargs = {k: v for k, v in cfg.to_hf_config().items() if k not in ("architectures", "model_type")}
+    torch.manual_seed(0)
+    hf = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**hf_kwargs)).float().eval()
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        model = load_hf(d, dtype="float32")
+    print(
+        f"model: {n_params(model) / 1e6:.1f}M parameters, {cfg.num_hidden_layers} layers, T={args.seq}, B={args.batch}"
+    )
+    print(f"threads: torch {torch.get_num_threads()}, jax devices {jax.devices()}")
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (args.batch, args.seq)).astype(np.int32)
+
+    graphdef, state = nnx.split(model)
+    fwd = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))
+    x = jnp.asarray(ids)
+    jax_s = best_of(lambda: fwd(state, x).block_until_ready(), args.repeats)
+    tids = torch.as_tensor(ids, dtype=torch.long)
+
+    def torch_fwd():
+        with torch.no_grad():
+            return hf(input_ids=tids).logits
+
+    torch_s = best_of(torch_fwd, args.repeats)
+    with torch.no_grad():
+        diff = np.abs(hf(input_ids=tids).logits.numpy() - np.asarray(fwd(state, x))).max()
+    tokens = args.batch * args.seq
+    print(
+        f"prefill  jax {tokens / jax_s:10.0f} tok/s   transformers {tokens / torch_s:10.0f} tok/s   "
+        f"ratio jax/transformers = {torch_s / jax_s:.2f}x   (max |logit diff| {diff:.1e})"
+    )
+    bench_delta_rule(args.delta_seq, args.repeats)
+
+
+def bench_delta_rule(seq: int, repeats: int, heads: int = 16, dk: int = 128, dv: int = 128) -> None:
+    rng = np.random.default_rng(1)
+    q = rng.normal(size=(1, seq, heads, dk)).astype(np.float32)
+    k = rng.normal(size=(1, seq, heads, dk)).astype(np.float32)
+    q /= np.linalg.norm(q, axis=-1, keepdims=True) * dk**0.5
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.normal(size=(1, seq, heads, dv)).astype(np.float32)
+    g = -np.log1p(np.exp(rng.normal(size=(1, seq, heads)))).astype(np.float32)
+    beta = (1 / (1 + np.exp(-rng.normal(size=(1, seq, heads))))).astype(np.float32)
+    inputs = [jnp.asarray(a) for a in (q, k, v, g, beta)]
+    chunked = jax.jit(chunked_gated_delta_rule)
+    recurrent = jax.jit(recurrent_gated_delta_rule)
+    c_s = best_of(lambda: chunked(*inputs)[0].block_until_ready(), repeats)
+    r_s = best_of(lambda: recurrent(*inputs)[0].block_until_ready(), repeats)
+    err = float(jnp.abs(chunked(*inputs)[0] - recurrent(*inputs)[0]).max())
+    print(
+        f"delta rule T={seq} H={heads} dk=dv={dk}: chunked {seq / c_s:9.0f} tok/s  recurrent {seq / r_s:9.0f} tok/s  "
+        f"ratio chunked/recurrent = {r_s / c_s:.2f}x  (max |diff| {err:.1e})"
+    )
+
+
+def bench_accelerator(args) -> None:
+    cfg = Qwen35Config.preset("0.8b")
+    model = Qwen35ForCausalLM(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    fwd = jax.jit(lambda s, x: nnx.merge(graphdef, s).hidden_states(x))
+    fwd_logits = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))
+    ids = jnp.asarray(
+        np.random.default_rng(0).integers(0, cfg.vocab_size, (args.batch, args.seq)).astype(np.int32)
+    )
+    total = n_params(model)
+    embed = cfg.vocab_size * cfg.hidden_size
+    body = total - embed  # tied: the embedding is the head, counted separately below
+    tokens = args.batch * args.seq
+    print(
+        f"device {jax.devices()[0].device_kind}: 0.8B shape, {total / 1e9:.2f}B params, bf16, B={args.batch} T={args.seq}"
+    )
+    for name, f, head in (("hidden_states", fwd, 0), ("logits (fp32 head)", fwd_logits, embed)):
+        s = best_of(lambda f=f: f(state, ids).block_until_ready(), args.repeats)
+        flops = forward_flops(cfg, body + head, args.batch, args.seq)
+        mfu = flops / s / (args.peak_tflops * 1e12)
+        print(
+            f"prefill {name:20s} {tokens / s:12.0f} tok/s   {flops / s / 1e12:7.1f} TFLOP/s   MFU {100 * mfu:5.1f}% "
+            f"(of {args.peak_tflops:.0f} TFLOP/s bf16 peak)"
+        )
+    bench_delta_rule(args.delta_seq, args.repeats)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--accelerator", action="store_true", help="0.8B bf16 on the default accelerator")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--delta-seq", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the chip (H100/H200: 989)"
+    )
+    args = p.parse_args()
+    bench_accelerator(args) if args.accelerator else bench_cpu(args)
+
+
+if __name__ == "__main__":
+    main()
