@@ -55,11 +55,11 @@ def _pow2_rows(batch: dict, multiple: int) -> dict:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, *, progress: bool = True):
-        if jax.default_backend() == "cpu":
-            # Seen here (jax 0.10.2, 2 cores): several train steps queued by CPU async dispatch, with
-            # donated state, never complete (the process idles forever). Synchronous dispatch costs
-            # nothing measurable at CPU scale.
-            jax.config.update("jax_cpu_enable_async_dispatch", False)
+        # Seen here (jax 0.10.2, 2 cores): train steps queued by CPU async dispatch, with donated
+        # state, never complete (every XLA thread idles, the host waits forever). Synchronous CPU
+        # dispatch avoids it and costs nothing measurable at CPU scale; it only affects the CPU
+        # backend, and must be set before the backend starts (so not behind jax.default_backend()).
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
         self.cfg = cfg
         self.progress = progress
         self.run_dir = prepare_run_dir(cfg)
