@@ -23,6 +23,7 @@ COMMAND_MODULES: list[str] = [
     "calibrate",
     "plan",
     "train",
+    "export_hf",
     "init_tiny",
     "generate",
 ]

@@ -29,6 +29,7 @@ class ModelSource:
 class TaskSource:
     dir: str = ""  # Harbor/TMAX task directory; "" = generate procedural tasks into RUN_DIR/tasks
     families: tuple[str, ...] = ()  # procedural families (empty = all)
+    words: int = 16  # write_word family: how many distinct words the tasks draw from (2..16)
     num_train: int = 64
     num_heldout: int = 16  # pass_rate_before/after are measured on these (seeds never trained on)
     seed: int = 0

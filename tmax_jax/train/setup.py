@@ -117,9 +117,11 @@ def load_task_sets(cfg: TrainConfig, run_dir: Path) -> tuple[list[Task], list[Ta
     base = cfg.tasks.seed * 1_000_000
     train_seeds = range(base, base + cfg.tasks.num_train)
     held_seeds = range(base + 500_000, base + 500_000 + cfg.tasks.num_heldout)
+    if not 1 <= cfg.tasks.words <= len(WORDS):
+        raise ConfigError(f"tasks.words must be in [1, {len(WORDS)}], got {cfg.tasks.words}")
     if not (root / "train").is_dir():
-        write_tasks(root / "train", train_seeds)
-        write_tasks(root / "heldout", held_seeds)
+        write_tasks(root / "train", train_seeds, num_words=cfg.tasks.words)
+        write_tasks(root / "heldout", held_seeds, num_words=cfg.tasks.words)
     train = [load_task(p) for p in sorted((root / "train").iterdir())]
     held = [load_task(p) for p in sorted((root / "heldout").iterdir())]
     return train, held

@@ -1,0 +1,173 @@
+"""`tmax-jax train` end to end on the tiny model with real sandboxes and real tasks: a run is killed
+mid-way (SIGKILL), resumed from its last checkpoint, and finishes with metrics, trajectories,
+a summary and a learning-curve PNG."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+ARGS = [
+    "steps=3",
+    "prompts_per_step=2",
+    "group_size=2",
+    "async_steps=1",
+    "rollout_workers=4",
+    "save_every=1",
+    "seq_len=512",
+    "tasks.num_train=8",
+    "tasks.num_heldout=2",
+    "eval.samples_per_task=1",
+    "sft.steps=1",
+    "sft.batch_size=4",
+    "sft.seq_len=512",
+    "agent.max_turns=2",
+    "agent.max_tokens_per_turn=24",
+    "agent.max_context_tokens=512",
+    "engine.slots=8",
+    "engine.max_cache_length=512",
+    "engine.max_prefill_length=256",
+]
+
+
+def _cmd(run_dir: Path) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "tmax_jax",
+        "train",
+        "configs/tiny-cpu.yaml",
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+    ]
+    for a in ARGS:
+        cmd += ["--set", a]
+    return cmd
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's laptop
+    return env
+
+
+def test_train_killed_and_resumed(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    run_dir = tmp_path / "run"
+    log1 = open(tmp_path / "first.log", "w")
+    proc = subprocess.Popen(
+        _cmd(run_dir), cwd=root, env=_env(), stdout=log1, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    deadline = time.monotonic() + 600
+    try:
+        while not (run_dir / "checkpoints" / "1").is_dir():
+            assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
+            time.sleep(0.5)
+        time.sleep(1.0)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not (run_dir / "summary.json").exists()
+
+    done = subprocess.run(_cmd(run_dir), cwd=root, env=_env(), capture_output=True, text=True, timeout=900)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert "resumed from checkpoint step" in out
+    resumed_at = int(out.split("resumed from checkpoint step ")[1].split()[0])
+    assert resumed_at >= 1
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]  # no step lost or repeated across the kill
+    for key in ("reward_mean", "pass_rate", "episode_turns_mean", "staleness_max", "adv/groups_dropped"):
+        assert key in rows[-1]
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3
+    assert 0.0 <= summary["pass_rate_before"] <= 1.0 and 0.0 <= summary["pass_rate_after"] <= 1.0
+    assert (run_dir / "learning_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run_dir / "sft" / "DONE").is_file() and (run_dir / "config.yaml").is_file()
+
+    # Trajectories: the masked-in tokens are exactly the policy's replies, each ending the turn or
+    # cut at the token limit; weights pushed after step 1 reached the engine before step 3's rollouts.
+    tok = AutoTokenizer.from_pretrained(str(run_dir / "init"))
+    end_id = tok.convert_tokens_to_ids("<|im_end|>")
+    trajs = [
+        json.loads(line) for line in (run_dir / "trajectories" / "step_000003.jsonl").read_text().splitlines()
+    ]
+    assert trajs
+    for t in trajs:
+        n = len(t["tokens"])
+        assert len(t["response_mask"]) == n == len(t["rollout_logprobs"]) == len(t["policy_versions"])
+        spans, cur = [], []
+        for tok_id, m, v, lp in zip(
+            t["tokens"], t["response_mask"], t["policy_versions"], t["rollout_logprobs"]
+        ):
+            if m:
+                cur.append(tok_id)
+                assert v >= 0 and lp <= 0.0
+            else:
+                assert v == -1 and lp == 0.0
+                if cur:
+                    spans.append(cur)
+                    cur = []
+        if cur:
+            spans.append(cur)
+        assert 1 <= len(spans) <= 2
+        for s in spans[:-1]:
+            assert s[-1] == end_id or len(s) == 24
+        assert max(v for v, m in zip(t["policy_versions"], t["response_mask"]) if m) >= 1
+
+    # Any checkpointed step exports to a directory transformers loads; training moved the weights.
+    import numpy as np
+    import torch
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    out_dir = tmp_path / "export"
+    exp = subprocess.run(
+        [sys.executable, "-m", "tmax_jax", "export-hf", str(run_dir), "--step", "3", "--out", str(out_dir)],
+        cwd=root,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert exp.returncode == 0, exp.stderr[-2000:]
+    hf = AutoModelForCausalLM.from_pretrained(str(out_dir))
+    ids = torch.tensor([tok.encode("echo hi")])
+    assert torch.isfinite(hf(ids).logits).all()
+    a, b = (
+        load_file(str(out_dir / "model.safetensors")),
+        load_file(str(run_dir / "sft" / "model.safetensors")),
+    )
+    assert a.keys() == b.keys()
+    # The exported weights moved away from the warm start exactly when some step applied an update
+    # (a step whose groups all had equal rewards is skipped: no learning signal).
+    updated = any(r.get("skipped_update") == 0 for r in rows)
+    assert any(not np.array_equal(a[k], b[k]) for k in a) == updated
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tmax_jax",
+            "export-hf",
+            str(run_dir),
+            "--step",
+            "99",
+            "--out",
+            str(tmp_path / "x"),
+        ],
+        cwd=root,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert bad.returncode == 2 and "no checkpoint for step 99" in bad.stderr
