@@ -92,9 +92,13 @@ def test_podman_fork_bomb_is_bounded_and_removed(cfg):
             ).stdout
         )
         ns = pid_ns(pid)
-        sb.exec(":(){ :|:& };:", timeout=3)
-        time.sleep(1.0)
-        assert 10 < len(procs_in_ns(ns)) <= cfg.pids_max
+        sb.exec(":(){ :|:& };:", timeout=3)  # returns at once: the bomb runs in the background
+        # Sample while the bomb grows and collapses against the pids limit (its peak depends on timing).
+        counts = []
+        for _ in range(50):
+            counts.append(len(procs_in_ns(ns)))
+            time.sleep(0.02)
+        assert 2 < max(counts) <= cfg.pids_max, counts
     assert _containers(name) == ""
     assert procs_in_ns(ns) == []
 

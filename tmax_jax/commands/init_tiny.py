@@ -4,7 +4,6 @@ so everything runs offline on a laptop."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 
 def register(subparsers) -> None:
@@ -20,23 +19,12 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import jax
     from flax import nnx
 
-    from tmax_jax.checkpoints import save_hf
-    from tmax_jax.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
-    from tmax_jax.tokenizer import train_tiny_tokenizer
+    from tmax_jax.checkpoints.tiny import write_tiny_checkpoint
 
-    tokenizer = train_tiny_tokenizer(args.out_dir, vocab_size=args.vocab_size)
-    ids = tokenizer.convert_tokens_to_ids
-    cfg = Qwen35Config.preset(
-        "tiny",
-        vocab_size=args.vocab_size,
-        eos_token_id=ids("<|im_end|>"),
-        pad_token_id=ids("<|endoftext|>"),
-        bos_token_id=None,
-    )
-    model = Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(args.seed))
-    out = save_hf(model, args.out_dir, tokenizer=tokenizer)
-    n_params = sum(x.size for x in __import__("jax").tree.leaves(nnx.state(model, nnx.Param)))
-    print(f"wrote {out} ({n_params:,} parameters; {dataclasses.asdict(cfg)['num_hidden_layers']} layers)")
+    out, model = write_tiny_checkpoint(args.out_dir, seed=args.seed, vocab_size=args.vocab_size)
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    print(f"wrote {out} ({n_params:,} parameters; {model.config.num_hidden_layers} layers)")
     return 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -66,33 +65,10 @@ def policy_checkpoint(cfg: TrainConfig, run_dir: Path) -> Path:
         return path
     init = run_dir / "init"
     if not (init / "model.safetensors").is_file() and not (init / "model.safetensors.index.json").is_file():
+        from tmax_jax.checkpoints.tiny import write_tiny_checkpoint
+
         write_tiny_checkpoint(init, seed=cfg.model.init_seed, corpus=_tokenizer_corpus(cfg))
     return init
-
-
-def write_tiny_checkpoint(
-    out_dir: str | Path, *, seed: int = 0, corpus: list[str] | None = None, vocab_size: int = 512
-) -> Path:
-    """A random tiny Qwen 3.5 checkpoint with a locally trained tokenizer (chat template included)."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from tmax_jax.checkpoints import save_hf
-    from tmax_jax.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
-    from tmax_jax.tokenizer import train_tiny_tokenizer
-
-    out = Path(out_dir)
-    tok = train_tiny_tokenizer(out, vocab_size=vocab_size, corpus=corpus)
-    base = Qwen35Config.preset("tiny")
-    cfg = dataclasses.replace(
-        base,
-        vocab_size=max(base.vocab_size, len(tok)),
-        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
-    )
-    model = Qwen35ForCausalLM(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(seed))
-    save_hf(model, out, tokenizer=tok)
-    return out
 
 
 def load_task_sets(cfg: TrainConfig, run_dir: Path) -> tuple[list[Task], list[Task]]:
