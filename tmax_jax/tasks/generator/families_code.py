@@ -14,6 +14,7 @@ from tmax_jax.tasks.generator.base import (
     Family,
     TaskDraft,
     copy_fixtures_setup,
+    exact_text_check,
     files_exist_test,
     ident,
     persona_prompt,
@@ -136,12 +137,7 @@ table = {{hashlib.sha256(x.encode()).hexdigest(): x for x in words}}
 rows = [l.split(':') for l in open('{w}/hashes.txt').read().split()]
 open('{out}', 'w').write(''.join(f'{{u}}:{{table[h]}}\\n' for u, h in sorted(rows)))
 EOF"""
-        check = f"""
-            from pathlib import Path
-            def grade():
-                p = Path({out!r})
-                return exact_text(p.read_text(), {truth!r}) if p.is_file() else 0.0
-            """
+        check = exact_text_check(out, truth)
         fixtures = {"hashes.txt": shadow, "wordlist.txt": "\n".join(wordlist) + "\n"}
         return TaskDraft(
             self.name,
@@ -195,12 +191,7 @@ class StrippedBinaryPassword(Family):
             its only argument. Find that password and write it to {out}.""",
         )
         solve = f'cd {w}\nfor s in $(strings -n 6 vault | grep -E \'^[a-z]+-[a-z0-9]{{6}}$\'); do if ./vault "$s" | grep -q GRANTED; then echo "$s" > {out}; fi; done\n'
-        check = f"""
-            from pathlib import Path
-            def grade():
-                p = Path({out!r})
-                return exact_text(p.read_text(), {pw!r}) if p.is_file() else 0.0
-            """
+        check = exact_text_check(out, pw)
         setup = copy_fixtures_setup(w) + f"chmod 755 {w}/vault\n"
         return TaskDraft(
             self.name,

@@ -12,6 +12,7 @@ from tmax_jax.tasks.generator.base import (
     Family,
     TaskDraft,
     copy_fixtures_setup,
+    exact_text_check,
     files_exist_test,
     ident,
     persona_prompt,
@@ -19,15 +20,6 @@ from tmax_jax.tasks.generator.base import (
     workdir,
 )
 from tmax_jax.tasks.generator.registry import register
-
-
-def _text_check(out: str, truth: str) -> str:
-    return f"""
-        from pathlib import Path
-        def grade():
-            p = Path({out!r})
-            return exact_text(p.read_text(), {truth!r}) if p.is_file() else 0.0
-        """
 
 
 @register
@@ -65,7 +57,7 @@ class CidrMembership(Family):
             self.name,
             prompt,
             solve,
-            _text_check(out, truth),
+            exact_text_check(out, truth),
             files_exist_test([f"{w}/hosts.txt"], [out]),
             copy_fixtures_setup(w),
             {"hosts.txt": "\n".join(ips) + "\n"},
@@ -106,7 +98,7 @@ class LatencyReport(Family):
             self.name,
             prompt,
             solve,
-            _text_check(out, truth),
+            exact_text_check(out, truth),
             files_exist_test([f"{w}/ping.log"], [out]),
             copy_fixtures_setup(w),
             {"ping.log": "\n".join(lines) + "\n"},
@@ -317,7 +309,7 @@ class EnvTemplate(Family):
             self.name,
             prompt,
             solve,
-            _text_check(out, truth),
+            exact_text_check(out, truth),
             files_exist_test([f"{w}/config.tmpl"], [out]),
             copy_fixtures_setup(w),
             {"config.tmpl": tmpl, "deploy.env": env},
@@ -531,7 +523,7 @@ class UnitConversion(Family):
             self.name,
             prompt,
             solve,
-            _text_check(out, truth),
+            exact_text_check(out, truth),
             files_exist_test([f"{w}/fahrenheit.csv"], [out]),
             copy_fixtures_setup(w),
             fixtures,

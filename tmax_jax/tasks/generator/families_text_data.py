@@ -15,6 +15,7 @@ from tmax_jax.tasks.generator.base import (
     Family,
     TaskDraft,
     copy_fixtures_setup,
+    exact_text_check,
     files_exist_test,
     ident,
     persona_prompt,
@@ -58,12 +59,7 @@ class LogErrorCount(Family):
             sorted by file name.""",
         )
         solve = f'cd {w}\nfor f in $(ls *.log | sort); do echo "$f: $(awk \'$2 == "{level}"\' "$f" | wc -l)"; done > {out}\n'
-        check = f"""
-            from pathlib import Path
-            def grade():
-                p = Path({out!r})
-                return exact_text(p.read_text(), {chr(10).join(expected)!r}) if p.is_file() else 0.0
-            """
+        check = exact_text_check(out, chr(10).join(expected))
         return TaskDraft(
             self.name,
             prompt,
@@ -164,12 +160,7 @@ lines = sorted(' '.join(sorted(v)) for v in g.values() if len(v) > 1)
 open({out!r}, 'w').write('\\n'.join(lines) + '\\n')
 EOF"""
         truth = "\n".join(sorted(groups))
-        check = f"""
-            from pathlib import Path
-            def grade():
-                p = Path({out!r})
-                return exact_text(p.read_text(), {truth!r}) if p.is_file() else 0.0
-            """
+        check = exact_text_check(out, truth)
         return TaskDraft(
             self.name,
             prompt,
@@ -212,12 +203,7 @@ class ResourceReport(Family):
             largest first (ties: lower PID first).""",
         )
         solve = f"tail -n +2 {w}/ps_snapshot.txt | sort -k3,3nr -k1,1n | head -n {top} | awk '{{print $2, $3}}' > {out}\n"
-        check = f"""
-            from pathlib import Path
-            def grade():
-                p = Path({out!r})
-                return exact_text(p.read_text(), {truth!r}) if p.is_file() else 0.0
-            """
+        check = exact_text_check(out, truth)
         return TaskDraft(
             self.name,
             prompt,
@@ -258,12 +244,7 @@ class DateRewrite(Family):
         )
         solve = f"sed -E 's#([0-9]{{2}})/([0-9]{{2}})/([0-9]{{4}})#\\3-\\2-\\1#g' {w}/records.txt > {out}\n"
         truth = "\n".join(want)
-        check = f"""
-            from pathlib import Path
-            def grade():
-                p = Path({out!r})
-                return exact_text(p.read_text(), {truth!r}) if p.is_file() else 0.0
-            """
+        check = exact_text_check(out, truth)
         return TaskDraft(
             self.name,
             prompt,
@@ -307,12 +288,7 @@ class WordFrequency(Family):
             first, ties broken alphabetically.""",
         )
         solve = f"tr ' ' '\\n' < {w}/article.txt | tr 'A-Z' 'a-z' | grep -v '^$' | sort | uniq -c | awk '{{print $1, $2}}' | sort -k1,1nr -k2,2 | head -n {k} > {out}\n"
-        check = f"""
-            from pathlib import Path
-            def grade():
-                p = Path({out!r})
-                return exact_text(p.read_text(), {truth!r}) if p.is_file() else 0.0
-            """
+        check = exact_text_check(out, truth)
         return TaskDraft(
             self.name,
             prompt,
@@ -376,12 +352,7 @@ class OcrCode(Family):
             Write the code to {out} (just the code). tesseract is installed.""",
         )
         solve = f"tesseract {w}/badge.png stdout 2>/dev/null | tr -d ' \\n' | grep -oE '[A-Z]{{4}}-[0-9]{{4}}' | head -1 > {out}\n"
-        check = f"""
-            from pathlib import Path
-            def grade():
-                p = Path({out!r})
-                return exact_text(p.read_text(), {code!r}) if p.is_file() else 0.0
-            """
+        check = exact_text_check(out, code)
         return TaskDraft(
             self.name,
             prompt,
@@ -486,12 +457,7 @@ class CsvGroupSum(Family):
             per group, sorted by group name, no header.""",
         )
         solve = f"tail -n +2 {w}/data.csv | awk -F, '{{s[$2] += $3}} END {{for (k in s) print k \",\" s[k]}}' | sort > {out}\n"
-        check = f"""
-            from pathlib import Path
-            def grade():
-                p = Path({out!r})
-                return exact_text(p.read_text(), {truth!r}) if p.is_file() else 0.0
-            """
+        check = exact_text_check(out, truth)
         return TaskDraft(
             self.name,
             prompt,
@@ -609,12 +575,7 @@ con = sqlite3.connect('{w}/shop.db')
 rows = con.execute('select customer, sum(total) s from orders group by customer having s > {threshold} order by s desc, customer').fetchall()
 open('{out}', 'w').write(''.join(f'{{c}}|{{s}}\\n' for c, s in rows))
 EOF"""
-        check = f"""
-            from pathlib import Path
-            def grade():
-                p = Path({out!r})
-                return exact_text(p.read_text(), {truth!r}) if p.is_file() else 0.0
-            """
+        check = exact_text_check(out, truth)
         return TaskDraft(
             self.name,
             prompt,
