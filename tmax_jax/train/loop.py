@@ -39,10 +39,6 @@ def _log(msg: str) -> None:
     print(f"[tmax-jax train] {msg}", file=sys.stderr, flush=True)
 
 
-def _dtype(name: str):
-    return jnp.dtype(name)
-
-
 def _pow2_rows(batch: dict, multiple: int) -> dict:
     """Pad the packed batch with empty rows to a power-of-two row count (few distinct compiles)."""
     rows = batch["input_ids"].shape[0]
@@ -71,7 +67,6 @@ class Trainer:
     def _build(self):
         from tmax_jax.checkpoints import load_hf
         from tmax_jax.engine.engine import Engine
-        from tmax_jax.engine.orchestrator import Orchestrator
         from tmax_jax.rl.state import TrainCheckpointer
         from tmax_jax.rl.train_step import TrainStep
         from tmax_jax.sharding import make_mesh
@@ -86,7 +81,7 @@ class Trainer:
         _log(f"{len(self.train_tasks)} train tasks, {len(self.heldout_tasks)} held-out; policy from {init}")
         self.mesh = make_mesh(cfg.mesh)
 
-        init = self._warm_start(init, load_hf, TrainStep)
+        init = self._warm_start(init)
         self.policy_init = init
         model = load_hf(
             init, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, remat=cfg.rl.train_step.remat
@@ -109,12 +104,26 @@ class Trainer:
             max_concurrent_decodes=cfg.engine.slots,
             max_cache_length=cfg.engine.max_cache_length,
             max_prefill_length=cfg.engine.max_prefill_length,
-            cache_dtype=_dtype(cfg.engine.cache_dtype),
+            cache_dtype=jnp.dtype(cfg.engine.cache_dtype),
             eos_token_ids=[self.chat.end_id],
             tokenizer=self.tokenizer,
         )
         # The train step donates its state: the engine gets its own copy of the weights.
         self.engine.update_params(self._engine_params(), version=self.start_step)
+        self._start_workers()
+        records = [{"task_id": str(i), "instruction": t.instruction} for i, t in enumerate(self.train_tasks)]
+        self.loader = PromptLoader(
+            records, cfg.prompts_per_step, DataConfig(seed=cfg.seed), shard_index=0, shard_count=1
+        )
+        if self.data_state:
+            self.loader.set_state(self.data_state["loader"])
+        self.metrics = MetricsWriter(self.run_dir)
+        self.metrics.truncate_after(self.start_step)
+
+    def _start_workers(self) -> None:
+        from tmax_jax.engine.orchestrator import Orchestrator
+
+        cfg = self.cfg
         self.orch = Orchestrator(self.engine, tokenizer=self.tokenizer)
         self.workers = RolloutWorkers(
             self.orch,
@@ -125,25 +134,17 @@ class Trainer:
             temperature=cfg.temperature,
             top_p=cfg.top_p,
         )
-        records = [{"task_id": str(i), "instruction": t.instruction} for i, t in enumerate(self.train_tasks)]
-        self.loader = PromptLoader(
-            records, cfg.prompts_per_step, DataConfig(seed=cfg.seed), shard_index=0, shard_count=1
-        )
-        if self.data_state:
-            self.loader.set_state(self.data_state["loader"])
-        self.metrics = MetricsWriter(self.run_dir)
-        self.metrics.truncate_after(self.start_step)
 
     def _engine_params(self):
         from flax import nnx
 
         return jax.tree.map(jnp.copy, nnx.state(self.train_step.model(self.state)))
 
-    def _warm_start(self, init: Path, load_hf, TrainStep) -> Path:
+    def _warm_start(self, init: Path) -> Path:
         """SFT on demonstrations into RUN_DIR/sft (once); returns the checkpoint RL starts from."""
         import dataclasses
 
-        from tmax_jax.checkpoints import save_hf
+        from tmax_jax.checkpoints import load_hf, save_hf
         from tmax_jax.rl.packing import pack_trajectories
         from tmax_jax.train.sft import SFTStep
 
@@ -324,19 +325,8 @@ class Trainer:
         return summary
 
     def _final_eval(self) -> dict:
-        from tmax_jax.engine.orchestrator import Orchestrator
-
-        # The rollout workers were shut down with the loop; evaluate with a fresh orchestrator.
-        self.orch = Orchestrator(self.engine, tokenizer=self.tokenizer)
-        self.workers = RolloutWorkers(
-            self.orch,
-            self.chat,
-            self.cfg.agent,
-            self.cfg.sandbox,
-            workers=self.cfg.rollout_workers,
-            temperature=self.cfg.temperature,
-            top_p=self.cfg.top_p,
-        )
+        # The rollout workers were shut down with the loop; evaluate with fresh ones.
+        self._start_workers()
         try:
             return self.workers.pass_rate(self.heldout_tasks, self.cfg.eval.samples_per_task, self.cfg.seed)
         finally:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import threading
-import time
 from collections import Counter
 from collections.abc import Sequence
 
@@ -39,7 +38,6 @@ class RolloutStats:
     episodes: int = 0
     failures: Counter = dataclasses.field(default_factory=Counter)
     generated_tokens: int = 0
-    episode_s: float = 0.0
 
     def snapshot_and_reset(self) -> dict:
         out = {
@@ -47,7 +45,7 @@ class RolloutStats:
             "episode_failures": sum(self.failures.values()),
             "generated_tokens": self.generated_tokens,
         }
-        self.episodes, self.generated_tokens, self.episode_s = 0, 0, 0.0
+        self.episodes, self.generated_tokens = 0, 0
         self.failures = Counter()
         return out
 
@@ -90,7 +88,6 @@ class RolloutWorkers:
                 task.prompt, policy, shell, self.chat, self.agent_cfg, task_id=task.name, group_id=group_id
             )
 
-        t0 = time.monotonic()
         try:
             result = run_task(task, agent, self.sandbox_cfg)
         finally:
@@ -98,7 +95,6 @@ class RolloutWorkers:
         traj = result.agent_output
         with self._lock:
             self.stats.episodes += 1
-            self.stats.episode_s += time.monotonic() - t0
             if traj is None:
                 self.stats.failures[result.reason.split(":")[0]] += 1
                 return None
