@@ -36,14 +36,9 @@ def apptainer_available(binary: str = "apptainer") -> tuple[bool, str]:
 
 
 def ensure_base_sif(cfg: SandboxConfig) -> Path:
-    from tmax_jax.sandbox.rootfs_builder import build_host_rootfs
+    from tmax_jax.sandbox.rootfs_builder import cached_host_rootfs
 
-    rootfs_dir = Path(cfg.cache_dir) / "rootfs" / "host-minimal"
-    if not (rootfs_dir / ".tmax-rootfs-id").is_file():
-        shutil.rmtree(rootfs_dir, ignore_errors=True)
-        rootfs_dir.parent.mkdir(parents=True, exist_ok=True)
-        build_host_rootfs(rootfs_dir)
-    ident = (rootfs_dir / ".tmax-rootfs-id").read_text().strip()
+    rootfs_dir, ident = cached_host_rootfs(cfg.cache_dir)
     sif = Path(cfg.cache_dir) / "sif" / f"tmax-base-{ident}.sif"
     if not sif.is_file():
         sif.parent.mkdir(parents=True, exist_ok=True)

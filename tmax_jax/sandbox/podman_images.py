@@ -61,14 +61,9 @@ def image_exists(tag: str) -> bool:
 
 def ensure_base_image(cfg: SandboxConfig) -> str:
     """Build (once) the host-derived rootfs and import it as the local base image."""
-    from tmax_jax.sandbox.rootfs_builder import build_host_rootfs
+    from tmax_jax.sandbox.rootfs_builder import cached_host_rootfs
 
-    rootfs_dir = Path(cfg.cache_dir) / "rootfs" / "host-minimal"
-    if not (rootfs_dir / ".tmax-rootfs-id").is_file():
-        shutil.rmtree(rootfs_dir, ignore_errors=True)
-        rootfs_dir.parent.mkdir(parents=True, exist_ok=True)
-        build_host_rootfs(rootfs_dir)
-    ident = (rootfs_dir / ".tmax-rootfs-id").read_text().strip()
+    rootfs_dir, ident = cached_host_rootfs(cfg.cache_dir)
     tag = f"{BASE_REPO}:{ident}"
     if image_exists(tag):
         return tag

@@ -192,3 +192,14 @@ def debootstrap_rootfs(
         raise SandboxError(f"debootstrap failed: {r.stderr[-1500:]}")
     (Path(dest) / ".tmax-rootfs-id").write_text(f"debootstrap-{suite}\n")
     return Path(dest)
+
+
+def cached_host_rootfs(cache_dir: str | Path) -> tuple[Path, str]:
+    """The minimal host-derived rootfs under ``cache_dir`` (built once) and its content id; the base
+    of the podman image and of the apptainer .sif."""
+    rootfs_dir = Path(cache_dir) / "rootfs" / "host-minimal"
+    if not (rootfs_dir / ".tmax-rootfs-id").is_file():
+        shutil.rmtree(rootfs_dir, ignore_errors=True)
+        rootfs_dir.parent.mkdir(parents=True, exist_ok=True)
+        build_host_rootfs(rootfs_dir)
+    return rootfs_dir, (rootfs_dir / ".tmax-rootfs-id").read_text().strip()
