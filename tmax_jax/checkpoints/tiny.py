@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tmax_jax.models.qwen35 import Qwen35Config
 
 
 def write_tiny_checkpoint(
-    out_dir: str | Path, *, seed: int = 0, vocab_size: int = 512, corpus: list[str] | None = None
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    vocab_size: int = 512,
+    corpus: list[str] | None = None,
+    base: Qwen35Config | None = None,
 ):
     """Writes OUT_DIR/{config.json, model.safetensors, tokenizer files}; returns (path, model).
 
     ``corpus`` is the text the byte-level BPE is trained on (default: a small built-in shell corpus);
-    the model's vocabulary is the tokenizer's.
+    the model's vocabulary and special token ids are the tokenizer's, the rest of the shape is
+    ``base`` (default: the "tiny" preset).
     """
     from flax import nnx
 
@@ -21,8 +32,8 @@ def write_tiny_checkpoint(
 
     tokenizer = train_tiny_tokenizer(out_dir, vocab_size=vocab_size, corpus=corpus)
     ids = tokenizer.convert_tokens_to_ids
-    cfg = Qwen35Config.preset(
-        "tiny",
+    cfg = dataclasses.replace(
+        base or Qwen35Config.preset("tiny"),
         vocab_size=max(vocab_size, len(tokenizer)),
         eos_token_id=ids("<|im_end|>"),
         pad_token_id=ids("<|endoftext|>"),

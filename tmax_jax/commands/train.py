@@ -23,6 +23,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from tmax_jax.config import parse_dotted
+    from tmax_jax.distributed import initialize
     from tmax_jax.train.config import load_train_config
     from tmax_jax.train.loop import train
 
@@ -30,6 +31,8 @@ def run(args) -> int:
     if args.run_dir:
         overrides["run_dir"] = args.run_dir
     cfg = load_train_config(args.config, overrides)
+    # Before anything touches a device; a no-op when tpu/multihost.py has already joined.
+    initialize(cfg.distributed)
     summary = train(cfg, progress=not args.no_progress)
     print(json.dumps(summary))
     return 130 if summary.get("interrupted") else 0

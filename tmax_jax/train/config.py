@@ -1,28 +1,83 @@
 """The one config of a training run (``tmax-jax train CONFIG.yaml``): a frozen dataclass tree.
 
-YAML files under ``configs/`` override fields of ``TrainConfig()``; unknown keys are errors.
+YAML files under ``configs/`` override fields of ``TrainConfig()``; unknown keys are errors. The same
+file drives ``tmax-jax plan CONFIG.yaml`` (the ``plan`` section names the hardware it is planned for).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from tmax_jax.agent.episode import AgentConfig
 from tmax_jax.config import load_yaml, override
+from tmax_jax.distributed import DistributedConfig
 from tmax_jax.errors import ConfigError
 from tmax_jax.rl.config import RLConfig
 from tmax_jax.sandbox.config import SandboxConfig
 from tmax_jax.sharding import MeshConfig
 
+DTYPES = ("float32", "bfloat16", "float16")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
-    checkpoint: str = ""  # a local HF directory; "" = create a random tiny one in RUN_DIR/init
+    """The policy's weights and its shape.
+
+    ``checkpoint`` is a local HF directory; "" makes train create a random tiny model in RUN_DIR/init
+    (the CPU demo; a random 9B would be a 36 GB file of noise, so larger presets need a checkpoint).
+    ``preset`` (a Qwen35Config preset: "9b", "27b", ...) plus ``overrides`` (Qwen35Config fields) is
+    the shape ``tmax-jax plan`` plans for without reading the checkpoint; train checks that the
+    checkpoint has that shape. Without a preset the plan reads the checkpoint's config.json, and with
+    neither it plans the tiny model.
+    """
+
+    checkpoint: str = ""
+    preset: str = ""
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
     init_seed: int = 0
     dtype: str = "float32"  # compute dtype of the policy (bfloat16 on accelerators); the head is f32
     param_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ConfigError(f"model.{name}={getattr(self, name)!r}; expected one of {list(DTYPES)}")
+
+    def shape(self):
+        """The Qwen35Config this run trains: preset (or the checkpoint's config.json, or tiny) + overrides."""
+        from tmax_jax.models.qwen35 import Qwen35Config
+
+        if self.preset or not self.checkpoint:
+            base = Qwen35Config.preset(self.preset or "tiny")
+        else:
+            from tmax_jax.checkpoints.load import read_hf_config
+
+            base = read_hf_config(self.checkpoint)
+        updates = dict(self.overrides)
+        if {"num_hidden_layers", "full_attention_interval"} & set(updates) and "layer_types" not in updates:
+            updates["layer_types"] = ()  # re-derive the layer pattern for the new depth / interval
+        return override(base, updates, _path="model.overrides")
+
+    @property
+    def name(self) -> str:
+        return self.preset or self.checkpoint or "tiny"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanSettings:
+    """The hardware ``tmax-jax plan`` checks the run against (train itself uses the devices it sees)."""
+
+    num_devices: int = 0  # 0 = the devices JAX sees here
+    device_name: str = "device"
+    device_memory_gib: float | None = None  # None = no fit verdict
+
+    def __post_init__(self) -> None:
+        if self.num_devices < 0:
+            raise ConfigError(f"plan.num_devices must be >= 0, got {self.num_devices}")
+        if self.device_memory_gib is not None and self.device_memory_gib <= 0:
+            raise ConfigError(f"plan.device_memory_gib must be > 0, got {self.device_memory_gib}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +140,8 @@ class TrainConfig:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
     eval: EvalSettings = dataclasses.field(default_factory=EvalSettings)
+    plan: PlanSettings = dataclasses.field(default_factory=PlanSettings)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "group_size", "rollout_workers", "seq_len", "save_every"):
@@ -98,6 +155,13 @@ class TrainConfig:
     @property
     def max_staleness(self) -> int:
         return 0 if self.mode == "sync" else self.async_steps
+
+    @property
+    def rows_per_step(self) -> int:
+        # Worst case of what _train_on packs: every trajectory of the step, none soft-filtered, each
+        # filling a whole seq_len row (TMAX: 8 x 32 = 256 rows x 65536). The trainer pads the row
+        # count to a power of two and a multiple of data * fsdp * micro_batches; 256 already is.
+        return self.prompts_per_step * self.group_size
 
 
 def load_train_config(path: str | Path | None, overrides: dict | None = None) -> TrainConfig:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from tmax_jax.config import to_dict
+from tmax_jax.config import override, to_dict
 from tmax_jax.errors import ConfigError, TaskFormatError
 from tmax_jax.tasks import load_task
 from tmax_jax.tasks.loader import find_tasks
@@ -17,8 +17,17 @@ from tmax_jax.train.demo_tasks import WORDS, write_tasks
 
 PROCEDURAL_FAMILIES = {"write_word"}
 
-# Fields that may change when a run is resumed (extending a run, or moving it).
-RESUMABLE_CHANGES = {"steps", "run_dir", "save_every", "keep_checkpoints", "rollout_workers"}
+# Fields that may change when a run is resumed (extending a run, moving it, or new hosts after a
+# preemption); ``plan`` only describes the hardware ``tmax-jax plan`` checks against.
+RESUMABLE_CHANGES = {
+    "steps",
+    "run_dir",
+    "save_every",
+    "keep_checkpoints",
+    "rollout_workers",
+    "plan",
+    "distributed",
+}
 
 
 def prepare_run_dir(cfg: TrainConfig) -> Path:
@@ -29,6 +38,10 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
     new = to_dict(cfg)
     if path.exists():
         old = yaml.safe_load(path.read_text()) or {}
+        try:  # a run written before a field existed holds its default
+            old = to_dict(override(TrainConfig(), old))
+        except ConfigError:
+            pass  # a field since removed: compare as written
         changed = sorted(
             k for k in set(old) | set(new) if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES
         )
@@ -56,19 +69,65 @@ def _tokenizer_corpus(cfg: TrainConfig) -> list[str]:
     return list(_CORPUS) * 4 + demo * 8
 
 
+# Qwen35Config fields that decide parameter shapes: a checkpoint must match the planned model in these.
+_SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "linear_conv_kernel_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "layer_types",
+    "tie_word_embeddings",
+    "attention_bias",
+)
+
+
 def policy_checkpoint(cfg: TrainConfig, run_dir: Path) -> Path:
     """The HF checkpoint RL starts from: the configured one, or a random tiny one made once per run."""
     if cfg.model.checkpoint:
         path = Path(cfg.model.checkpoint)
         if not (path / "config.json").is_file():
             raise ConfigError(f"model.checkpoint {path} is not a checkpoint directory (no config.json)")
+        if cfg.model.preset or cfg.model.overrides:
+            _check_shape(cfg, path)
         return path
+    if cfg.model.preset.lower() not in ("", "tiny"):
+        raise ConfigError(
+            f"model.preset={cfg.model.preset!r} needs model.checkpoint (a Qwen 3.5 HF directory); "
+            "without one train only creates a random tiny model"
+        )
     init = run_dir / "init"
     if not (init / "model.safetensors").is_file() and not (init / "model.safetensors.index.json").is_file():
         from tmax_jax.checkpoints.tiny import write_tiny_checkpoint
 
-        write_tiny_checkpoint(init, seed=cfg.model.init_seed, corpus=_tokenizer_corpus(cfg))
+        write_tiny_checkpoint(
+            init, seed=cfg.model.init_seed, corpus=_tokenizer_corpus(cfg), base=cfg.model.shape()
+        )
     return init
+
+
+def _check_shape(cfg: TrainConfig, path: Path) -> None:
+    """The memory plan was made for model.preset + model.overrides: refuse a checkpoint of another shape."""
+    from tmax_jax.checkpoints.load import read_hf_config
+
+    have, want = read_hf_config(path), cfg.model.shape()
+    diff = [
+        f"{k}: {getattr(have, k)} != {getattr(want, k)}"
+        for k in _SHAPE_FIELDS
+        if getattr(have, k) != getattr(want, k)
+    ]
+    if diff:
+        raise ConfigError(
+            f"model.checkpoint {path} does not have the shape of model.preset={cfg.model.preset!r} "
+            f"with model.overrides ({'; '.join(diff)}); fix the preset or clear it"
+        )
 
 
 def load_task_sets(cfg: TrainConfig, run_dir: Path) -> tuple[list[Task], list[Task]]:
