@@ -6,15 +6,18 @@ from flax import nnx
 
 from tmax_jax.cli import main
 from tmax_jax.errors import ConfigError
-from tmax_jax.memory_plan import GiB, load_run_config, make_plan
+from tmax_jax.memory_plan import GiB, make_plan
 from tmax_jax.rl.optim import make_optimizer
 from tmax_jax.rl.train_step import make_model
 from tmax_jax.sharding import make_mesh, optimizer_shardings, param_shardings, shard_tree
+from tmax_jax.train.config import load_train_config
 
 TINY = {
     "model": {"preset": "tiny", "dtype": "float32"},
     "mesh": {"data": 2, "fsdp": 2, "tensor": 2},
-    "batch": {"rows": 8, "seq_len": 64},
+    "prompts_per_step": 4,
+    "group_size": 2,  # 8 rows
+    "seq_len": 64,
     "plan": {"num_devices": 8},
     "rl": {"train_step": {"micro_batches": 1, "remat": "full"}},
 }
@@ -25,9 +28,9 @@ def device0_bytes(tree):
 
 
 def test_param_and_optimizer_bytes_match_real_shards():
-    cfg = load_run_config(None, TINY)
+    cfg = load_train_config(None, TINY)
     plan = make_plan(cfg)
-    model = make_model(cfg.model.build_config(), remat="none")
+    model = make_model(cfg.model.shape(), remat="none")
     params = nnx.state(model, nnx.Param)
     mesh = make_mesh(cfg.mesh)
     psh = param_shardings(params, mesh, cfg.mesh)
@@ -43,38 +46,47 @@ def test_param_and_optimizer_bytes_match_real_shards():
 
 
 def test_activations_grow_with_the_per_device_batch():
-    small = make_plan(load_run_config(None, TINY))
-    double = make_plan(load_run_config(None, TINY | {"batch": {"rows": 16, "seq_len": 64}}))
+    small = make_plan(load_train_config(None, TINY))
+    double = make_plan(load_train_config(None, TINY | {"prompts_per_step": 8}))
     assert small.local_rows == 2 and double.local_rows == 4
     assert small.activations_resident > 0 and small.activations_transient > 0
     # Per-row buffers double; batch-independent ones (weights cast for the backward) do not.
     assert 1.3 < double.activations_resident / small.activations_resident <= 2.0
-    no_remat = make_plan(load_run_config(None, TINY | {"rl": {"train_step": {"remat": "none"}}}))
+    no_remat = make_plan(load_train_config(None, TINY | {"rl": {"train_step": {"remat": "none"}}}))
     assert no_remat.activations_resident > small.activations_resident  # remat keeps less
 
 
-def test_plan_command_prints_the_table(tmp_path, capsys):
+@pytest.mark.parametrize("form", ["positional", "option"])
+def test_plan_command_prints_the_table(tmp_path, capsys, form):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(
-        "model: {preset: tiny}\nmesh: {fsdp: -1}\nbatch: {rows: 8, seq_len: 32}\n"
-        "plan: {num_devices: 8, device_memory_gib: 1}\ntrain: {ignored: by the plan}\n"
+        "model: {preset: tiny}\nmesh: {fsdp: -1}\nprompts_per_step: 2\ngroup_size: 4\nseq_len: 32\n"
+        "plan: {num_devices: 8, device_memory_gib: 1}\n"
     )
-    assert main(["plan", "--config", str(cfg), "--set", "batch.seq_len=48"]) == 0
+    where = [str(cfg)] if form == "positional" else ["--config", str(cfg)]
+    assert main(["plan", *where, "--set", "seq_len=48", "--set", "plan.device_name=H200"]) == 0
     out = capsys.readouterr().out
     for word in ("params", "gradients", "optimizer", "activations resident", "total", "fits"):
         assert word in out
-    assert "8 rows x 48 tokens" in out and "fsdp=8" in out
+    assert "8 rows (2 prompts x group 4) x 48 tokens" in out and "fsdp=8" in out and "8 x H200" in out
 
 
-def test_plan_config_errors_name_the_key(tmp_path):
-    with pytest.raises(ConfigError, match="batch.rowz"):
-        load_run_config(None, {"batch": {"rowz": 3}})
+def test_plan_command_rejects_the_old_schema(tmp_path, capsys):
+    cfg = tmp_path / "old.yaml"
+    cfg.write_text("model: {preset: tiny}\nbatch: {rows: 8, seq_len: 32}\n")
+    assert main(["plan", str(cfg)]) == 2
+    assert "unknown config key 'batch'" in capsys.readouterr().err
+
+
+def test_plan_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="plan.num_devicez"):
+        load_train_config(None, {"plan": {"num_devicez": 3}})
     with pytest.raises(ConfigError, match="model.overrides.hidden_sise"):
-        make_plan(load_run_config(None, {"model": {"overrides": {"hidden_sise": 3}}}))
+        make_plan(load_train_config(None, {"model": {"overrides": {"hidden_sise": 3}}}))
     assert GiB == 2**30
 
 
-def test_shipped_9b_config_loads():
-    cfg = load_run_config("configs/qwen35-9b-tpu.yaml")
-    assert cfg.model.preset == "9b" and cfg.rl.loss.delta == 0.1 and cfg.rl.optimizer.learning_rate == 1e-6
-    assert cfg.mesh.resolve(cfg.plan.num_devices) == (1, 32, 1)
+def test_plan_defaults_to_the_devices_jax_sees():
+    plan = make_plan(load_train_config(None, {"prompts_per_step": 4, "group_size": 2, "seq_len": 32}))
+    assert plan.mesh_shape == {"data": 1, "fsdp": jax.device_count(), "tensor": 1}
+    assert plan.local_rows == 1 and plan.device_memory is None

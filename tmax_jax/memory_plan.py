@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,71 +21,10 @@ import optax
 from flax import nnx
 
 from tmax_jax import sharding as shd
-from tmax_jax.config import load_yaml, override
-from tmax_jax.distributed import DistributedConfig
-from tmax_jax.errors import ConfigError
-from tmax_jax.rl.config import RLConfig
 from tmax_jax.rl.optim import make_optimizer
+from tmax_jax.train.config import TrainConfig
 
 GiB = 1024**3
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSection:
-    preset: str = "tiny"
-    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # Qwen35Config fields
-    dtype: str = "bfloat16"  # compute dtype
-    param_dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        for name in ("dtype", "param_dtype"):
-            if getattr(self, name) not in _DTYPES:
-                raise ConfigError(f"model.{name}={getattr(self, name)!r}; expected one of {list(_DTYPES)}")
-
-    def build_config(self):
-        from tmax_jax.models.qwen35 import Qwen35Config
-
-        return override(Qwen35Config.preset(self.preset), self.overrides, _path="model.overrides")
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchSection:
-    rows: int = 8  # packed rows per optimizer step (whole mesh)
-    seq_len: int = 2048
-
-    def __post_init__(self) -> None:
-        if self.rows < 1 or self.seq_len < 1:
-            raise ConfigError(f"batch.rows and batch.seq_len must be >= 1, got {self.rows}, {self.seq_len}")
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanSection:
-    num_devices: int = 8
-    device_name: str = "device"
-    device_memory_gib: float | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-    """The sections of a run YAML that the train step reads (other top-level sections are ignored)."""
-
-    model: ModelSection = dataclasses.field(default_factory=ModelSection)
-    mesh: shd.MeshConfig = dataclasses.field(default_factory=shd.MeshConfig)
-    rl: RLConfig = dataclasses.field(default_factory=RLConfig)
-    batch: BatchSection = dataclasses.field(default_factory=BatchSection)
-    plan: PlanSection = dataclasses.field(default_factory=PlanSection)
-    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
-
-
-def load_run_config(path=None, overrides: Mapping | None = None) -> RunConfig:
-    data = load_yaml(path) if path is not None else {}
-    known = {f.name for f in dataclasses.fields(RunConfig)}
-    mine = {k: v for k, v in data.items() if k in known}
-    cfg = override(RunConfig(), mine)
-    if overrides:
-        cfg = override(cfg, overrides)
-    return cfg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +91,7 @@ def _abstract_model(model_cfg, remat: str, dtype, param_dtype):
     return nnx.eval_shape(lambda: make_model(model_cfg, remat=remat, dtype=dtype, param_dtype=param_dtype))
 
 
-def _activation_bytes(model_cfg, cfg: RunConfig, local_rows: int, dtype, param_dtype):
+def _activation_bytes(model_cfg, cfg: TrainConfig, local_rows: int, dtype, param_dtype):
     from tmax_jax.rl.train_step import batch_loss
 
     model = _abstract_model(model_cfg, cfg.rl.train_step.remat, dtype, param_dtype)
@@ -163,13 +100,17 @@ def _activation_bytes(model_cfg, cfg: RunConfig, local_rows: int, dtype, param_d
     def loss(p, mb):
         return batch_loss(nnx.merge(graphdef, p, rest), mb, cfg.rl.loss, 1.0)[0]
 
-    return _residual_bytes(loss, params, _abstract_batch(local_rows, cfg.batch.seq_len))
+    return _residual_bytes(loss, params, _abstract_batch(local_rows, cfg.seq_len))
 
 
-def make_plan(cfg: RunConfig) -> MemoryPlan:
-    model_cfg = cfg.model.build_config()
-    dtype, param_dtype = _DTYPES[cfg.model.dtype], _DTYPES[cfg.model.param_dtype]
-    sizes = cfg.mesh.resolve(cfg.plan.num_devices)
+def planned_devices(cfg: TrainConfig) -> int:
+    return cfg.plan.num_devices or jax.device_count()
+
+
+def make_plan(cfg: TrainConfig) -> MemoryPlan:
+    model_cfg = cfg.model.shape()
+    dtype, param_dtype = jnp.dtype(cfg.model.dtype), jnp.dtype(cfg.model.param_dtype)
+    sizes = cfg.mesh.resolve(planned_devices(cfg))
     mesh = jax.sharding.AbstractMesh(sizes, shd.MESH_AXES)
     mesh_shape = dict(mesh.shape)
 
@@ -198,7 +139,7 @@ def make_plan(cfg: RunConfig) -> MemoryPlan:
     grad_bytes = param_bytes * (2 if cfg.rl.train_step.micro_batches > 1 else 1)
 
     data_shards = mesh_shape["data"] * mesh_shape["fsdp"]
-    local_rows = max(cfg.batch.rows // data_shards // cfg.rl.train_step.micro_batches, 1)
+    local_rows = max(cfg.rows_per_step // data_shards // cfg.rl.train_step.micro_batches, 1)
     resident, largest = _activation_bytes(model_cfg, cfg, local_rows, dtype, param_dtype)
     if cfg.rl.train_step.remat != "none":
         one_period = dataclasses.replace(
@@ -213,13 +154,13 @@ def make_plan(cfg: RunConfig) -> MemoryPlan:
     else:
         transient = 0
     # The float32 head holds [rows, chunk, V] logits, their softmax and its cotangent at once.
-    chunk = min(cfg.rl.loss.logprob_chunk, cfg.batch.seq_len)
+    chunk = min(cfg.rl.loss.logprob_chunk, cfg.seq_len)
     transient += 3 * local_rows * chunk * model_cfg.vocab_size * 4
     mem = None if cfg.plan.device_memory_gib is None else int(cfg.plan.device_memory_gib * GiB)
     return MemoryPlan(
         mesh_shape=mesh_shape,
         local_rows=local_rows,
-        seq_len=cfg.batch.seq_len,
+        seq_len=cfg.seq_len,
         num_params=num_params,
         params=param_bytes,
         grads=grad_bytes,
@@ -231,18 +172,19 @@ def make_plan(cfg: RunConfig) -> MemoryPlan:
     )
 
 
-def format_plan(plan: MemoryPlan, cfg: RunConfig) -> str:
+def format_plan(plan: MemoryPlan, cfg: TrainConfig) -> str:
     def gib(n):
         return f"{n / GiB:10.2f} GiB"
 
     m = plan.mesh_shape
     ts = cfg.rl.train_step
     lines = [
-        f"memory plan: Qwen 3.5 {cfg.model.preset} ({plan.num_params / 1e9:.2f}B params, "
+        f"memory plan: Qwen 3.5 {cfg.model.name} ({plan.num_params / 1e9:.2f}B params, "
         f"params {cfg.model.param_dtype}, compute {cfg.model.dtype})",
-        f"mesh: data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']} over {cfg.plan.num_devices} "
+        f"mesh: data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']} over {math.prod(m.values())} "
         f"x {cfg.plan.device_name}",
-        f"batch: {cfg.batch.rows} rows x {cfg.batch.seq_len} tokens, {ts.micro_batches} micro-batch(es), "
+        f"batch: {cfg.rows_per_step} rows ({cfg.prompts_per_step} prompts x group {cfg.group_size}) x "
+        f"{cfg.seq_len} tokens, {ts.micro_batches} micro-batch(es), "
         f"{plan.local_rows} row(s) per device per micro-batch, remat={ts.remat}",
         "per device:",
         f"  params                 {gib(plan.params)}",
