@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the same tmax-jax command on every host of the slice, as one multi-controller JAX program.
-#   bash tpu/launch.sh train --config configs/qwen35-9b-v5p-64.yaml --out gs://bucket/run1
+#   bash tpu/launch.sh train configs/qwen35-9b-v5p-64.yaml --run-dir /mnt/shared/run1
 # Each host runs tpu/multihost.py, which calls jax.distributed.initialize() (on a TPU slice the
 # coordinator, process count and process index are discovered from the TPU metadata) and then
 # the command. Output goes to ~/tmax-logs/<host>.log on each host and is streamed here.

@@ -2,7 +2,7 @@
 
 Every host runs the same command line (``tpu/launch.sh`` does this with ``--worker=all``):
 
-    python tpu/multihost.py train --config configs/qwen35-9b-v5p-64.yaml
+    python tpu/multihost.py train configs/qwen35-9b-v5p-64.yaml
 
 ``jax.distributed.initialize`` is called before any JAX computation. On a Cloud TPU slice (and under
 SLURM or Open MPI) it discovers the coordinator, the process count and this process's index by

@@ -15,11 +15,11 @@ out=tpu/PLANS.md
     echo "## configs/$c.yaml"
     echo
     echo '```'
-    echo "\$ tmax-jax plan --config configs/$c.yaml"
-    python3 -m tmax_jax plan --config "configs/$c.yaml" 2>&1
+    echo "\$ tmax-jax plan configs/$c.yaml"
+    python3 -m tmax_jax plan "configs/$c.yaml" 2>&1
     echo
-    echo "\$ tmax-jax plan --config configs/$c.yaml --set batch.seq_len=8192"
-    python3 -m tmax_jax plan --config "configs/$c.yaml" --set batch.seq_len=8192 2>&1
+    echo "\$ tmax-jax plan configs/$c.yaml --set seq_len=8192"
+    python3 -m tmax_jax plan "configs/$c.yaml" --set seq_len=8192 2>&1
     echo '```'
     echo
   done
