@@ -32,7 +32,12 @@ from tmax_jax.train.metrics import MetricsWriter
 from tmax_jax.train.plot import line_chart
 from tmax_jax.train.queue import QueueClosed, RolloutBatch, RolloutQueue
 from tmax_jax.train.rollout import RolloutWorkers, demonstrations
-from tmax_jax.train.setup import load_task_sets, policy_checkpoint, prepare_run_dir
+from tmax_jax.train.setup import (
+    enable_compilation_cache,
+    load_task_sets,
+    policy_checkpoint,
+    prepare_run_dir,
+)
 
 
 def _log(msg: str) -> None:
@@ -56,6 +61,7 @@ class Trainer:
         # dispatch avoids it and costs nothing measurable at CPU scale; it only affects the CPU
         # backend, and must be set before the backend starts (so not behind jax.default_backend()).
         jax.config.update("jax_cpu_enable_async_dispatch", False)
+        enable_compilation_cache()
         self.cfg = cfg
         self.progress = progress
         self.run_dir = prepare_run_dir(cfg)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -28,6 +29,22 @@ RESUMABLE_CHANGES = {
     "plan",
     "distributed",
 }
+
+
+def enable_compilation_cache() -> str:
+    """Keep compiled train/engine steps on disk, so a resumed or repeated run skips recompiling.
+
+    Each distinct packed-row count compiles the train step once (tens of seconds on a laptop CPU);
+    JAX's persistent cache makes that a one-time cost per machine. ``JAX_COMPILATION_CACHE_DIR``
+    wins when set (the TPU launcher sets it); otherwise ``~/.cache/tmax-jax/jax``.
+    """
+    import jax
+
+    path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(Path.home() / ".cache" / "tmax-jax" / "jax")
+    jax.config.update("jax_compilation_cache_dir", path)
+    # Only executables that took a while to build are worth a disk entry.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 2.0)
+    return path
 
 
 def prepare_run_dir(cfg: TrainConfig) -> Path:
