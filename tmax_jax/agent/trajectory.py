@@ -86,12 +86,19 @@ def write_jsonl(path: str | Path, trajectories: Iterable[Trajectory]) -> None:
             f.write(json.dumps(t.to_json()) + "\n")
 
 
-def read_jsonl(path: str | Path) -> Iterator[Trajectory]:
+def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Trajectory]]:
+    """(line number, trajectory) for each record of a JSONL file written by ``write_jsonl``."""
     with Path(path).open() as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                yield Trajectory.from_json(json.loads(line))
-            except (json.JSONDecodeError, TypeError) as e:
+                traj = Trajectory.from_json(json.loads(line))
+            except (json.JSONDecodeError, TypeError, TmaxError) as e:
                 raise TmaxError(f"{path}:{lineno}: not a trajectory record: {e}") from e
+            yield lineno, traj
+
+
+def read_jsonl(path: str | Path) -> Iterator[Trajectory]:
+    for _, traj in iter_jsonl(path):
+        yield traj

@@ -143,3 +143,14 @@ def pack_trajectories(
         batch["rollout_logprobs"][row, sl] = np.asarray(tr.rollout_logprobs, np.float32)[1:]
         batch["advantages"][row, sl] = np.float32(advantages[i])
     return batch, placement
+
+
+def pad_rows_pow2(batch: dict[str, np.ndarray], multiple: int) -> dict[str, np.ndarray]:
+    """Pad a packed batch with empty rows to a power-of-two row count (also a multiple of
+    ``multiple``), so a run compiles its step for a few row counts only."""
+    rows = batch["input_ids"].shape[0]
+    target = max(multiple, 1 << max(rows - 1, 0).bit_length())
+    target = -(-target // multiple) * multiple
+    if target == rows:
+        return batch
+    return {k: np.pad(v, ((0, target - rows), (0, 0))) for k, v in batch.items()}

@@ -108,6 +108,13 @@ class SFTConfig:
     seq_len: int = 2048
     demos_per_task: int = 1
 
+    def __post_init__(self) -> None:
+        for name, low in (("steps", 0), ("batch_size", 1), ("seq_len", 2), ("demos_per_task", 1)):
+            if getattr(self, name) < low:
+                raise ConfigError(f"sft.{name} must be >= {low}, got {getattr(self, name)}")
+        if self.learning_rate <= 0:
+            raise ConfigError(f"sft.learning_rate must be > 0, got {self.learning_rate}")
+
 
 @dataclasses.dataclass(frozen=True)
 class EvalSettings:

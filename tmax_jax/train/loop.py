@@ -27,6 +27,7 @@ from tmax_jax.agent.protocol import BASH_TOOL
 from tmax_jax.agent.trajectory import write_jsonl
 from tmax_jax.data import DataConfig, PromptLoader
 from tmax_jax.errors import TmaxError
+from tmax_jax.rl.packing import pad_rows_pow2 as _pow2_rows
 from tmax_jax.train.config import TrainConfig
 from tmax_jax.train.metrics import MetricsWriter
 from tmax_jax.train.plot import line_chart
@@ -42,16 +43,6 @@ from tmax_jax.train.setup import (
 
 def _log(msg: str) -> None:
     print(f"[tmax-jax train] {msg}", file=sys.stderr, flush=True)
-
-
-def _pow2_rows(batch: dict, multiple: int) -> dict:
-    """Pad the packed batch with empty rows to a power-of-two row count (few distinct compiles)."""
-    rows = batch["input_ids"].shape[0]
-    target = max(multiple, 1 << max(rows - 1, 0).bit_length())
-    target = -(-target // multiple) * multiple
-    if target == rows:
-        return batch
-    return {k: np.pad(v, ((0, target - rows), (0, 0))) for k, v in batch.items()}
 
 
 class Trainer:
@@ -148,11 +139,7 @@ class Trainer:
 
     def _warm_start(self, init: Path) -> Path:
         """SFT on demonstrations into RUN_DIR/sft (once); returns the checkpoint RL starts from."""
-        import dataclasses
-
-        from tmax_jax.checkpoints import load_hf, save_hf
-        from tmax_jax.rl.packing import pack_trajectories
-        from tmax_jax.train.sft import SFTStep
+        from tmax_jax.train.sft import run_sft
 
         sc = self.cfg.sft
         out = self.run_dir / "sft"
@@ -170,45 +157,12 @@ class Trainer:
         )
         if not demos:
             raise TmaxError(
-                "SFT warm start: no task produced a passing demonstration (check the tasks' solutions)"
+                "SFT warm start: no task produced a passing demonstration (check the tasks' solutions); "
+                f"rejected: {dict(rejected)}"
             )
         _log(f"SFT: {len(demos)} demonstrations in {time.monotonic() - t0:.1f}s; {sc.steps} steps")
-        rl = dataclasses.replace(
-            self.cfg.rl,
-            optimizer=dataclasses.replace(
-                self.cfg.rl.optimizer, learning_rate=sc.learning_rate, schedule="constant"
-            ),
-        )
-        model = load_hf(
-            init,
-            dtype=self.cfg.model.dtype,
-            param_dtype=self.cfg.model.param_dtype,
-            remat=rl.train_step.remat,
-        )
-        step = SFTStep(model, rl, self.mesh, self.cfg.mesh)
-        state = step.init_state(seed=self.cfg.seed)
-        rng = np.random.default_rng(self.cfg.seed)
-        bar = _bar(sc.steps, "sft", self.progress)
-        for i in range(sc.steps):
-            pick = rng.choice(len(demos), size=min(sc.batch_size, len(demos)), replace=False)
-            batch, _ = pack_trajectories(
-                [demos[j] for j in pick],
-                [1.0] * len(pick),
-                seq_len=sc.seq_len,
-                rows_multiple=step.rows_multiple,
-            )
-            state, m = step(state, _pow2_rows(batch, step.rows_multiple))
-            if bar is not None:
-                bar.update(1)
-                if i % 10 == 0:
-                    bar.set_postfix(nll=f"{float(m['loss']):.3f}", p=f"{float(m['ratio_mean']):.3f}")
-        if bar is not None:
-            bar.close()
-        save_hf(step.model(state), out, tokenizer=self.tokenizer)
-        (out / "DONE").write_text(
-            json.dumps({"steps": sc.steps, "demos": len(demos), "final_nll": float(m["loss"])})
-        )
-        _log(f"SFT done: final NLL {float(m['loss']):.3f}, saved to {out}")
+        summary = run_sft(init, demos, out, self.cfg, mesh=self.mesh, progress=self.progress, log=_log)
+        (out / "DONE").write_text(json.dumps(summary))
         return out
 
     # ------------------------------------------------------------------ rollouts
