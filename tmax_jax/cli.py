@@ -23,6 +23,7 @@ COMMAND_MODULES: list[str] = [
     "calibrate",
     "plan",
     "train",
+    "sft",
     "export_hf",
     "init_tiny",
     "generate",
