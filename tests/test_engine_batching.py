@@ -2,6 +2,7 @@
 the prefix state, weight updates without recompiles, cancellation, backpressure, stop strings."""
 
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ from tmax_jax.engine import (
     ResultTokens,
     SamplingParams,
 )
-from tmax_jax.errors import ConfigError
+from tmax_jax.errors import ConfigError, TmaxError
 from tmax_jax.rl.logprobs import token_logprobs
 
 SLOTS, MAX_LEN, MAX_PREFILL = 4, 128, 16
@@ -256,6 +257,19 @@ def test_cancel_frees_the_slot(orch):
     assert out.finish_reason == "cancelled" and 3 <= len(out.tokens) < 100
     ok = orch.submit(Request(prompt=[4, 5, 6], max_tokens=4)).result()
     assert ok.finish_reason == "length" and len(ok.tokens) == 4
+
+
+def test_stop_finishes_every_request_even_the_one_being_prefilled(model):
+    # A fresh engine of new shapes compiles its first prefill: stop() lands in the middle of it.
+    eng = Engine(model, max_concurrent_decodes=2, max_cache_length=MAX_LEN, max_prefill_length=8)
+    o = Orchestrator(eng)
+    handles = [o.submit(Request(prompt=[7, 8, 9 + i], max_tokens=50)) for i in range(4)]
+    time.sleep(0.2)
+    o.stop()
+    # A waiter (an agent's episode) must never block on a request the stopped orchestrator dropped.
+    assert [h.result(timeout=60).finish_reason for h in handles] == ["cancelled"] * 4
+    with pytest.raises(TmaxError, match="stopped"):
+        o.submit(Request(prompt=[1, 2], max_tokens=2))
 
 
 def test_backpressure_raises_engine_busy(engine):

@@ -205,6 +205,8 @@ class Orchestrator:
             self._requests.put(handle, block=block, timeout=timeout)
         except queue.Full:
             raise EngineBusy(f"request queue full ({self._requests.maxsize} waiting)") from None
+        if not self._live and not handle.done:
+            handle._finish("cancelled")  # stop() ran between the check above and the put
         return handle
 
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
@@ -354,6 +356,10 @@ class Orchestrator:
                     break
                 except queue.Full:
                     continue
+            else:
+                # stop() came during this prefill: it drained the queues before this handle got
+                # there, so nobody else will finish it (its waiter would block forever).
+                handle._finish("cancelled")
 
     def _finish_reason(self, live: _Live, cached: int) -> tuple[str | None, str | None]:
         """Why ``live`` ends after its latest token (mirrors the device-side checks), or None."""
