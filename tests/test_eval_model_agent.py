@@ -2,9 +2,11 @@
 OpenAI-compatible endpoint; tool-call handling against a real sandbox shell."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+from harbor_helpers import write_harbor_task
 from helpers_hf import make_tiny_hf_checkpoint
 
 from tmax_jax.agent.episode import AgentConfig
@@ -63,6 +65,83 @@ def test_checkpoint_agent_runs_token_episodes(one_task, tiny_ckpt, tmp_path):
     assert len(traj["tokens"]) == len(traj["response_mask"]) == len(traj["rollout_logprobs"])
     generated = [lp for lp, m in zip(traj["rollout_logprobs"], traj["response_mask"]) if m]
     assert generated and all(lp <= 0.0 for lp in generated)
+
+
+@pytest.fixture(scope="module")
+def small_task_set(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("cli_tasks")
+    write_harbor_task(
+        root,
+        "hello-file",
+        "files",
+        "Create /app/hello.txt containing: Hello",
+        "FROM ubuntu:24.04\nWORKDIR /app\n",
+        '[ "$(cat /app/hello.txt 2>/dev/null)" = Hello ]',
+        {"solve.sh": "echo Hello > /app/hello.txt\n"},
+    )
+    write_harbor_task(
+        root,
+        "shout",
+        "text",
+        "Write /app/in.txt upper-cased to /app/out.txt.",
+        "FROM ubuntu:24.04\nWORKDIR /app\nRUN echo 'quiet words' > /app/in.txt\n",
+        '[ "$(cat /app/out.txt 2>/dev/null)" = "QUIET WORDS" ]',
+        {"solve.sh": "tr a-z A-Z < /app/in.txt > /app/out.txt\n"},
+    )
+    write_harbor_task(
+        root,
+        "needs-network",
+        "files",
+        "Use jq to pretty-print /app/data.json into /app/pretty.json.",
+        "FROM ubuntu:24.04\nRUN apt-get update && apt-get install -y jq\n",
+        "[ -s /app/pretty.json ]",
+        {"solve.sh": "jq . /app/data.json > /app/pretty.json\n"},
+    )
+    return root
+
+
+def test_cli_eval_checkpoint_writes_reports_and_resumes(small_task_set, tiny_ckpt, tmp_path, capsys):
+    out = tmp_path / "ckpt"
+    argv = ["eval", "--checkpoint", str(tiny_ckpt), "--tasks", str(small_task_set), "--out", str(out)]
+    argv += ["-k", "2", "--concurrency", "2", "--max-turns", "2", "--max-tokens-per-turn", "8"]
+    argv += ["--max-context", "1024"]
+    assert cli_main(argv) == 0
+    printed = capsys.readouterr().out
+    assert f"report: {out / 'report.html'}  summary: {out / 'summary.json'}" in printed
+
+    s = json.loads((out / "summary.json").read_text())
+    assert s["agent"] == f"ckpt-{tiny_ckpt.name}" and s["checkpoint"] == str(tiny_ckpt.resolve())
+    assert s["attempts_run"] == 4 and s["attempts_skipped"] == 0
+    rows = {r["task_id"]: r for r in s["tasks"]}
+    assert sorted(rows) == ["hello-file", "needs-network", "shout"]
+    assert rows["needs-network"]["status"] == "env_unavailable"
+    for task in ("hello-file", "shout"):
+        # Every attempt is a complete, scored episode of the model.
+        assert (rows[task]["status"], rows[task]["attempts"], rows[task]["errors"]) == ("evaluated", 2, 0)
+        for a in range(2):
+            traj = json.loads((out / "tasks" / task / f"attempt-{a}" / "trajectory.json").read_text())
+            assert traj["task_id"] == task and 1 <= traj["num_turns"] <= 2 and sum(traj["response_mask"])
+    page = (out / "report.html").read_text()
+    assert all(t in page for t in rows)
+
+    # The same command again runs nothing; one more attempt each (-k 3) runs just those.
+    results = (out / "results.jsonl").read_text()
+    assert cli_main(argv) == 0
+    again = json.loads((out / "summary.json").read_text())
+    assert again["attempts_run"] == 0 and again["attempts_skipped"] == 4
+    assert (out / "results.jsonl").read_text() == results and again["overall"] == s["overall"]
+    assert cli_main([*argv, "-k", "3"]) == 0
+    more = json.loads((out / "summary.json").read_text())
+    assert more["attempts_run"] == 2 and more["overall"]["attempts"] == 6
+    assert (out / "results.jsonl").read_text().startswith(results)
+    # Results of another checkpoint, or sampled otherwise, are not mixed in.
+    other = tmp_path / "other"
+    shutil.copytree(tiny_ckpt, other)
+    capsys.readouterr()
+    assert cli_main([*argv, "--checkpoint", str(other)]) == 2
+    assert f"checkpoint: saved '{tiny_ckpt.resolve()}', now '{other.resolve()}'" in capsys.readouterr().err
+    assert cli_main([*argv, "--temperature", "0.5"]) == 2
+    assert "temperature: saved 1.0, now 0.5" in capsys.readouterr().err
 
 
 def test_endpoint_agent_against_tmax_jax_serve(one_task, tiny_ckpt, tmp_path):

@@ -1,54 +1,21 @@
 """End-to-end evaluation over a small Harbor task set in real bubblewrap sandboxes."""
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
+from harbor_helpers import write_harbor_task
 
 from tmax_jax.errors import ConfigError, TaskFormatError
 from tmax_jax.eval.agents import NoopAgent, OracleAgent
 from tmax_jax.eval.runner import EvalConfig, evaluate
 from tmax_jax.eval.tasks import find_eval_tasks
 
-TASK_TOML = """\
-version = "1.0"
-[metadata]
-category = "{category}"
-difficulty = "easy"
-[verifier]
-timeout_sec = 30.0
-[agent]
-timeout_sec = 30.0
-[environment]
-build_timeout_sec = 60.0
-allow_internet = false
-"""
-
-# Verifiers in plain bash (no pytest start-up), each writing the Harbor reward file.
-REWARD_IF = "mkdir -p /logs/verifier\nif {cond}; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n"
-
-
-def _task(
-    root: Path, name: str, category: str, instruction: str, dockerfile: str, test_cond: str, solution: dict
-):
-    d = root / name
-    (d / "environment").mkdir(parents=True)
-    (d / "tests").mkdir()
-    (d / "solution").mkdir()
-    (d / "instruction.md").write_text(instruction)
-    (d / "task.toml").write_text(TASK_TOML.format(category=category))
-    (d / "environment" / "Dockerfile").write_text(textwrap.dedent(dockerfile))
-    (d / "tests" / "test.sh").write_text("#!/bin/bash\n" + REWARD_IF.format(cond=test_cond))
-    for fname, body in solution.items():
-        (d / "solution" / fname).write_text("#!/bin/bash\nset -e\n" + body)
-    return d
-
 
 @pytest.fixture(scope="module")
 def task_set(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("harbor_tasks")
-    _task(
+    write_harbor_task(
         root,
         "hello-file",
         "files",
@@ -57,7 +24,7 @@ def task_set(tmp_path_factory) -> Path:
         '[ "$(cat /app/hello.txt 2>/dev/null)" = "Hello, world!" ]',
         {"solve.sh": "echo 'Hello, world!' > /app/hello.txt\n"},
     )
-    d = _task(
+    d = write_harbor_task(
         root,
         "count-lines",
         "text",
@@ -68,7 +35,7 @@ def task_set(tmp_path_factory) -> Path:
     )
     (d / "environment" / "words.txt").write_text("alpha\nbeta\ngamma\ndelta\nepsilon\n")
     # The oracle must ship the whole solution/ dir: solve.sh calls a helper next to it.
-    _task(
+    write_harbor_task(
         root,
         "shout",
         "text",
@@ -80,7 +47,7 @@ def task_set(tmp_path_factory) -> Path:
             "upper.sh": "tr a-z A-Z < /app/in.txt > /app/out.txt\n",
         },
     )
-    _task(
+    write_harbor_task(
         root,
         "needs-network",
         "files",
@@ -210,7 +177,7 @@ def test_crashing_agent_is_an_error_not_a_failure(task_set, tmp_path):
 
 
 def test_task_needing_internet_at_run_time_is_unavailable_offline(tmp_path):
-    _task(
+    write_harbor_task(
         tmp_path, "fetch", "net", "Download the page.", "FROM ubuntu:24.04\n", "true", {"solve.sh": "true\n"}
     )
     toml = tmp_path / "fetch" / "task.toml"

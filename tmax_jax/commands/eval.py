@@ -64,6 +64,11 @@ def _agent_label(args) -> str:
     return "llm-" + re.sub(r"[^A-Za-z0-9._-]+", "_", args.model or "model")
 
 
+def _sampling(args) -> dict:
+    # Part of a model run's identity: attempts sampled differently are not pass@k samples of one run.
+    return {"temperature": args.temperature, "max_turns": args.max_turns}
+
+
 def _make_agent(args):
     from tmax_jax.eval.agents import builtin_agent
 
@@ -82,7 +87,13 @@ def _make_agent(args):
             slots=args.concurrency,
             max_context_tokens=args.max_context,
             max_tokens_per_turn=args.max_tokens_per_turn,
-        ), {"checkpoint": str(args.checkpoint.resolve()), "harness": args.harness}
+        ), {
+            "checkpoint": str(args.checkpoint.resolve()),
+            "harness": args.harness,
+            **_sampling(args),
+            "max_tokens_per_turn": args.max_tokens_per_turn,
+            "max_context": args.max_context,
+        }
     if args.llm_url is not None:
         if not args.model:
             raise ConfigError("--llm-url needs --model NAME (the model the endpoint serves)")
@@ -92,7 +103,7 @@ def _make_agent(args):
             harness=args.harness,
             temperature=args.temperature,
             max_turns=args.max_turns,
-        ), {"llm_url": args.llm_url, "model": args.model, "harness": args.harness}
+        ), {"llm_url": args.llm_url, "model": args.model, "harness": args.harness, **_sampling(args)}
     raise ConfigError(
         "choose what to evaluate: --agent oracle|noop, --checkpoint DIR, or --llm-url URL --model NAME"
     )
