@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import threading
 from pathlib import Path
 
 
@@ -39,3 +41,72 @@ def procs_with_cmdline(fragment: str) -> list[int]:
         if fragment in cmd:
             out.append(int(name))
     return out
+
+
+def _proc_table() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, start time in clock ticks) of every live process."""
+    table = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if fields[0] != b"Z":  # a zombie has exited already
+            table[int(name)] = (int(fields[1]), int(fields[19]))
+    return table
+
+
+def alive(pid: int, start: int) -> bool:
+    """The process ``pid`` started at ``start`` still exists (not a later process given the same pid)."""
+    entry = _proc_table().get(pid)
+    return entry is not None and entry[1] == start
+
+
+class DescendantWatcher(threading.Thread):
+    """Records every descendant of ``pid`` (sandboxes start their own sessions, but stay its children
+    until it dies) until ``stop()``: {(pid, start ticks): command line}."""
+
+    def __init__(self, pid: int, interval_s: float = 0.1):
+        super().__init__(daemon=True)
+        self.root, self.interval_s = pid, interval_s
+        self.seen: dict[tuple[int, int], str] = {}
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            table = _proc_table()
+            children: dict[int, list[int]] = {}
+            for pid, (ppid, _) in table.items():
+                children.setdefault(ppid, []).append(pid)
+            stack = [self.root]
+            while stack:
+                for child in children.get(stack.pop(), []):
+                    key = (child, table[child][1])
+                    if key not in self.seen:
+                        try:
+                            raw = Path(f"/proc/{child}/cmdline").read_bytes()
+                        except OSError:
+                            raw = b""
+                        self.seen[key] = raw.replace(b"\0", b" ").decode(errors="replace").strip()
+                    stack.append(child)
+            self._done.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join()
+
+    def sandboxes(self) -> set[str]:
+        """Ids of the bubblewrap sandboxes seen (from their state dirs' paths)."""
+        return {
+            m
+            for cmd in self.seen.values()
+            if cmd.startswith("bwrap ") or " bwrap " in cmd
+            for m in re.findall(r"/(\d+-[0-9a-f]{10})/state/", cmd)
+        }
+
+    def still_running(self) -> list[str]:
+        return [f"{pid}: {cmd}" for (pid, start), cmd in self.seen.items() if alive(pid, start)]

@@ -8,61 +8,22 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
+from train_helpers import ROOT, train_cmd, train_env
 from transformers import AutoTokenizer
-
-ARGS = [
-    "steps=3",
-    "prompts_per_step=2",
-    "group_size=2",
-    "async_steps=1",
-    "rollout_workers=4",
-    "save_every=1",
-    "seq_len=512",
-    "tasks.num_train=8",
-    "tasks.num_heldout=2",
-    "eval.samples_per_task=1",
-    "sft.steps=1",
-    "sft.batch_size=4",
-    "sft.seq_len=512",
-    "agent.max_turns=2",
-    "agent.max_tokens_per_turn=24",
-    "agent.max_context_tokens=512",
-    "engine.slots=8",
-    "engine.max_cache_length=512",
-    "engine.max_prefill_length=256",
-]
-
-
-def _cmd(run_dir: Path) -> list[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "tmax_jax",
-        "train",
-        "configs/tiny-cpu.yaml",
-        "--run-dir",
-        str(run_dir),
-        "--no-progress",
-    ]
-    for a in ARGS:
-        cmd += ["--set", a]
-    return cmd
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's laptop
-    return env
 
 
 def test_train_killed_and_resumed(tmp_path):
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     run_dir = tmp_path / "run"
     log1 = open(tmp_path / "first.log", "w")
     proc = subprocess.Popen(
-        _cmd(run_dir), cwd=root, env=_env(), stdout=log1, stderr=subprocess.STDOUT, start_new_session=True
+        train_cmd(run_dir),
+        cwd=root,
+        env=train_env(),
+        stdout=log1,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     deadline = time.monotonic() + 600
     try:
@@ -76,7 +37,9 @@ def test_train_killed_and_resumed(tmp_path):
         proc.wait()
     assert not (run_dir / "summary.json").exists()
 
-    done = subprocess.run(_cmd(run_dir), cwd=root, env=_env(), capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        train_cmd(run_dir), cwd=root, env=train_env(), capture_output=True, text=True, timeout=900
+    )
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     assert "resumed from checkpoint step" in out
@@ -134,7 +97,7 @@ def test_train_killed_and_resumed(tmp_path):
     exp = subprocess.run(
         [sys.executable, "-m", "tmax_jax", "export-hf", str(run_dir), "--step", "3", "--out", str(out_dir)],
         cwd=root,
-        env=_env(),
+        env=train_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -165,7 +128,7 @@ def test_train_killed_and_resumed(tmp_path):
             str(tmp_path / "x"),
         ],
         cwd=root,
-        env=_env(),
+        env=train_env(),
         capture_output=True,
         text=True,
         timeout=300,

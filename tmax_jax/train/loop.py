@@ -11,6 +11,7 @@ loader position, so a killed run resumes at the step after its last checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import sys
@@ -194,18 +195,37 @@ class Trainer:
 
     # ------------------------------------------------------------------ the run
     def run(self) -> dict:
-        self._build()
-        cfg = self.cfg
-        summary_path = self.run_dir / "summary.json"
-        before_path = self.run_dir / "eval_before.json"
-        if before_path.is_file():
-            before = json.loads(before_path.read_text())
-        else:
-            _log(
-                f"held-out pass rate before RL ({len(self.heldout_tasks)} tasks x {cfg.eval.samples_per_task})"
-            )
-            before = self.workers.pass_rate(self.heldout_tasks, cfg.eval.samples_per_task, cfg.seed)
-            before_path.write_text(json.dumps(before))
+        """The whole run. SIGINT/SIGTERM (Ctrl-C) stop it at any stage: during RL it saves the step
+        reached and returns ``{"interrupted": True, "step": N}``; earlier (warm start, the first eval)
+        or later (the final eval) it raises KeyboardInterrupt. Either way no episode, sandbox or
+        worker thread outlives it."""
+        self._interrupts = _Interrupts()
+        self._interrupts.install()
+        try:
+            return self._run()
+        except KeyboardInterrupt:
+            _log("interrupted")
+            raise
+        finally:
+            self._interrupts.restore()
+
+    def _run(self) -> dict:
+        try:
+            self._build()
+            cfg = self.cfg
+            summary_path = self.run_dir / "summary.json"
+            before_path = self.run_dir / "eval_before.json"
+            if before_path.is_file():
+                before = json.loads(before_path.read_text())
+            else:
+                _log(
+                    f"held-out pass rate before RL ({len(self.heldout_tasks)} tasks x {cfg.eval.samples_per_task})"
+                )
+                before = self.workers.pass_rate(self.heldout_tasks, cfg.eval.samples_per_task, cfg.seed)
+                before_path.write_text(json.dumps(before))
+        except BaseException:
+            self._stop_workers(now=True)
+            raise
         _log(f"before: pass rate {before['pass_rate']:.3f}")
 
         self.queue = RolloutQueue(capacity=max(cfg.max_staleness, 1), max_staleness=cfg.max_staleness)
@@ -213,10 +233,11 @@ class Trainer:
         self._trainer_step = self.start_step
         producer = threading.Thread(target=self._producer, name="tmax-rollouts", daemon=True)
         interrupted = False
-        old_handler = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
         producer.start()
         bar = _bar(cfg.steps, "rl", self.progress, initial=self.start_step)
         step = self.start_step
+        data_state = self.data_state  # the loader position after the last trained step's batch
+        unwritten = None  # metrics of a trained step whose row is not in metrics.jsonl yet
         try:
             while step < cfg.steps:
                 t_wait = time.monotonic()
@@ -228,23 +249,33 @@ class Trainer:
                     ) from self._producer_error
                 wait_s = time.monotonic() - t_wait
                 t_train = time.monotonic()
-                metrics = self._train_on(batch, step)
-                step += 1
-                self.engine.update_params(self._engine_params(), version=step)
-                with self._step_cv:
-                    self._trainer_step = step
-                    self._step_cv.notify_all()
-                metrics.update(
-                    trainer_wait_s=wait_s,
-                    train_s=time.monotonic() - t_train,
-                    rollout_s=batch.rollout_s,
-                    **self.workers.stats.snapshot_and_reset(),
-                )
+                # The step donates the train state: an interrupt must not land between the update
+                # and the bookkeeping that makes it the state of `step`.
+                with self._interrupts.deferred():
+                    metrics = self._train_on(batch, step)
+                    step += 1
+                    data_state = batch.data_state
+                    self.engine.update_params(self._engine_params(), version=step)
+                    with self._step_cv:
+                        self._trainer_step = step
+                        self._step_cv.notify_all()
+                    metrics.update(
+                        trainer_wait_s=wait_s,
+                        train_s=time.monotonic() - t_train,
+                        rollout_s=batch.rollout_s,
+                        **self.workers.stats.snapshot_and_reset(),
+                    )
+                    unwritten = metrics
                 if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
                     ev = self.workers.pass_rate(self.heldout_tasks, cfg.eval.samples_per_task, cfg.seed)
                     metrics["heldout_pass_rate"] = ev["pass_rate"]
-                self.metrics.write(step, metrics)
-                self.ckpt.save(step, self.state, {"loader": batch.data_state, "version": step})
+                with self._interrupts.deferred():
+                    self.metrics.write(step, metrics)
+                    unwritten = None
+                    # The last step always: the final eval may yet be interrupted, and export-hf wants it.
+                    self.ckpt.save(
+                        step, self.state, {"loader": data_state, "version": step}, force=step == cfg.steps
+                    )
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(
@@ -256,18 +287,18 @@ class Trainer:
         except KeyboardInterrupt:
             interrupted = True
             _log(f"interrupted: saving step {step} and exiting")
+            # Stop the rollouts first: their sandboxes are killed, so nothing below waits on them.
+            self._stop_workers(now=True)
+            if unwritten is not None:
+                self.metrics.write(step, unwritten)
             if step > self.start_step and step not in self.ckpt.steps():
-                self.ckpt.save(
-                    step, self.state, {"loader": self.loader.get_state(), "version": step}, force=True
-                )
+                self.ckpt.save(step, self.state, {"loader": data_state, "version": step}, force=True)
         finally:
-            signal.signal(signal.SIGTERM, old_handler)
             if bar is not None:
                 bar.close()
             self._stop.set()
             self.queue.close()
-            self.workers.close()
-            self.orch.stop()
+            self._stop_workers(now=False)
             producer.join(timeout=60)
             self.ckpt.close()
             self.metrics.close()
@@ -289,9 +320,29 @@ class Trainer:
         self._start_workers()
         try:
             return self.workers.pass_rate(self.heldout_tasks, self.cfg.eval.samples_per_task, self.cfg.seed)
+        except BaseException:
+            self._stop_workers(now=True)
+            raise
         finally:
-            self.workers.close()
-            self.orch.stop()
+            self._stop_workers(now=False)
+
+    def _stop_workers(self, *, now: bool) -> None:
+        """Shut the rollout workers and the orchestrator down (idempotent). ``now`` (an interrupt or an
+        error) also cancels queued episodes and kills the process's sandboxes, so running episodes end
+        at their next command or token instead of playing out."""
+        workers, orch = getattr(self, "workers", None), getattr(self, "orch", None)
+        if workers is not None:
+            workers.stopping.set()
+        if now:
+            from tmax_jax.sandbox import registry
+
+            if orch is not None:
+                orch.stop()
+            registry.close_all()
+        if workers is not None:
+            workers.close()
+        if orch is not None:
+            orch.stop()
 
     def _train_on(self, batch: RolloutBatch, step: int) -> dict:
         from tmax_jax.rl.advantages import group_advantages
@@ -364,8 +415,45 @@ class Trainer:
         line_chart(self.run_dir / "learning_curve.png", series, title="tmax-jax DPPO: pass rate per step")
 
 
-def _raise_keyboard_interrupt(signum, frame):
-    raise KeyboardInterrupt
+class _Interrupts:
+    """SIGINT and SIGTERM as KeyboardInterrupt in the main thread, at once, except inside
+    ``deferred()`` blocks, whose end raises it instead (a train step must not be cut between the
+    update of its donated state and the bookkeeping of that update)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.pending = False
+        self._depth = 0
+        self._previous: dict = {}
+
+    def install(self) -> None:
+        # Python lets only the main thread set handlers; elsewhere (a run in a thread) keep the defaults.
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+
+    def restore(self) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self._depth:
+            if not self.pending:
+                _log(f"{signal.Signals(signum).name}: stopping after the current step")
+            self.pending = True
+            return
+        raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def deferred(self):
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+        if self.pending and not self._depth:
+            raise KeyboardInterrupt
 
 
 def _bar(total: int, desc: str, enabled: bool, initial: int = 0):

@@ -23,6 +23,7 @@ from tmax_jax.engine.orchestrator import Orchestrator
 from tmax_jax.engine.sampling import SamplingParams
 from tmax_jax.engine.session import EnginePolicy
 from tmax_jax.sandbox.config import SandboxConfig
+from tmax_jax.sandbox.pool import SandboxPool
 from tmax_jax.tasks.model import Task
 from tmax_jax.tasks.runner import run_task
 from tmax_jax.train.queue import Group
@@ -164,7 +165,10 @@ def demonstrations(
         )
         policy = ScriptedPolicy([body], chat)
         result = run_task(
-            task, lambda t, sh: run_episode(t.prompt, policy, sh, chat, demo_cfg, task_id=t.name), sandbox_cfg
+            task,
+            lambda t, sh: run_episode(t.prompt, policy, sh, chat, demo_cfg, task_id=t.name),
+            sandbox_cfg,
+            pool=pool,
         )
         traj = result.agent_output
         if traj is None or not result.passed:
@@ -174,6 +178,9 @@ def demonstrations(
         traj.reward = float(result.reward)
         return traj
 
-    with cf.ThreadPoolExecutor(max_workers=workers) as ex:
-        demos = [t for t in ex.map(one, tasks) if t is not None]
+    # On an exception or Ctrl-C the pool drops the queued replays and kills the running ones'
+    # sandboxes, so an interrupted warm start ends at once instead of replaying every task first.
+    with SandboxPool(sandbox_cfg, size=workers) as pool:
+        futures = [pool.submit(one, t) for t in tasks]
+        demos = [t for t in (f.result() for f in futures) if t is not None]
     return demos, rejected
