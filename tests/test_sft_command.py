@@ -48,8 +48,8 @@ def policy_nll(model, trajs: list[Trajectory]) -> float:
 
 def sft(root: Path, *args: str) -> dict:
     """``tmax-jax sft`` in a subprocess on one CPU device (a laptop's setup, and a cheaper compile than
-    the test process's 8 fake devices); the runs share a compilation cache, so only the first one
-    compiles the SFT step (all use the same config, row shapes and learning rate)."""
+    the test process's 8 fake devices); the runs share a compilation cache of their own, so only the
+    first one compiles the SFT step (all use the same config, row shapes and learning rate)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_COMPILATION_CACHE_DIR"] = str(root / "xla_cache")
     cmd = [sys.executable, "-m", "tmax_jax", "sft", "--checkpoint", str(root / "init"), *args]

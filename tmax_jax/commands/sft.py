@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tmax_jax.checkpoints import read_hf_config
     from tmax_jax.tokenizer import load_tokenizer
+    from tmax_jax.train.setup import enable_compilation_cache
     from tmax_jax.train.sft import run_sft, successful_trajectories
 
     cfg = _config(args)
@@ -117,8 +118,10 @@ def run(args: argparse.Namespace) -> int:
             _log(f"{path}: {kept} of {read} trajectories with reward >= {args.min_reward}")
     else:
         data = _demonstrations(args, cfg, tokenizer)
-    # As in `tmax-jax train`: donated train states under CPU async dispatch can stall (see Trainer).
+    # As in `tmax-jax train`: donated train states under CPU async dispatch can stall (see Trainer),
+    # and a repeated run reuses the compiled step.
     jax.config.update("jax_cpu_enable_async_dispatch", False)
+    enable_compilation_cache()
     summary = run_sft(args.checkpoint, data, args.out, cfg, progress=not args.no_progress, log=_log)
     print(json.dumps(summary))
     return 0
