@@ -68,6 +68,18 @@ def test_unknown_key_is_named(tmp_path):
         load_train_config(None, {"model": {"dtype": "bf16"}})
 
 
+def test_loss_temperature_must_match_the_sampling_temperature():
+    # The engine's logprobs are taken at the sampling temperature; the loss must use the same one.
+    with pytest.raises(
+        ConfigError, match=r"rl.loss.temperature \(0.5\) must equal the sampling temperature \(0.7\)"
+    ):
+        load_train_config("configs/tiny-cpu.yaml", {"temperature": 0.7})
+    cfg = load_train_config(
+        "configs/tiny-cpu.yaml", {"temperature": 0.7, "rl": {"loss": {"temperature": 0.7}}}
+    )
+    assert cfg.temperature == cfg.rl.loss.temperature == 0.7
+
+
 def test_a_large_preset_needs_a_checkpoint(tmp_path):
     cfg = load_train_config(None, {"model": {"preset": "9b"}})
     with pytest.raises(ConfigError, match="model.preset='9b' needs model.checkpoint"):

@@ -158,6 +158,13 @@ class TrainConfig:
             raise ConfigError(f"async_steps must be >= 0, got {self.async_steps}")
         if self.group_size < 2:
             raise ConfigError("group_size must be >= 2: advantages are relative to the group")
+        if self.rl.loss.temperature != self.temperature:
+            # The engine's logprobs are log_softmax(logits / temperature); a loss at another
+            # temperature would see every token as off-policy (ratio != 1 at staleness 0).
+            raise ConfigError(
+                f"rl.loss.temperature ({self.rl.loss.temperature}) must equal the sampling temperature "
+                f"({self.temperature})"
+            )
 
     @property
     def max_staleness(self) -> int:
