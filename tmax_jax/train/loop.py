@@ -71,6 +71,16 @@ class Trainer:
         from tmax_jax.tokenizer import load_tokenizer
 
         cfg = self.cfg
+        if jax.process_count() > 1:
+            # Rollouts are driven by threads whose timing differs per process, while every engine
+            # call on params sharded across hosts would be a collective that all processes must
+            # enter in the same order: the run would deadlock rather than fail. Refuse it instead.
+            raise TmaxError(
+                f"tmax-jax train runs as one JAX process (any number of local devices); this is "
+                f"process {jax.process_index()} of {jax.process_count()}. Multi-host RL needs per-host "
+                "rollout engines, which are not built yet; `tmax-jax plan` and the sharded train step "
+                "(tmax_jax.rl.train_step) do run multi-host."
+            )
         init = policy_checkpoint(cfg, self.run_dir)
         self.tokenizer = load_tokenizer(init)
         tools = [BASH_TOOL] if cfg.agent.tool_schema_in_prompt else None
