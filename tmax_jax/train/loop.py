@@ -30,7 +30,7 @@ from tmax_jax.data import DataConfig, PromptLoader
 from tmax_jax.errors import TmaxError
 from tmax_jax.rl.packing import pad_rows_pow2 as _pow2_rows
 from tmax_jax.train.config import TrainConfig
-from tmax_jax.train.metrics import MetricsWriter
+from tmax_jax.train.metrics import MetricsWriter, progress_bar
 from tmax_jax.train.plot import line_chart
 from tmax_jax.train.queue import QueueClosed, RolloutBatch, RolloutQueue
 from tmax_jax.train.rollout import RolloutWorkers, demonstrations
@@ -244,7 +244,7 @@ class Trainer:
         producer = threading.Thread(target=self._producer, name="tmax-rollouts", daemon=True)
         interrupted = False
         producer.start()
-        bar = _bar(cfg.steps, "rl", self.progress, initial=self.start_step)
+        bar = progress_bar(cfg.steps, "rl", self.progress, initial=self.start_step)
         step = self.start_step
         data_state = self.data_state  # the loader position after the last trained step's batch
         unwritten = None  # metrics of a trained step whose row is not in metrics.jsonl yet
@@ -464,14 +464,6 @@ class _Interrupts:
             self._depth -= 1
         if self.pending and not self._depth:
             raise KeyboardInterrupt
-
-
-def _bar(total: int, desc: str, enabled: bool, initial: int = 0):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, file=sys.stderr)
 
 
 def train(cfg: TrainConfig, *, progress: bool = True) -> dict:

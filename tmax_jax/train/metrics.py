@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -53,3 +54,12 @@ class MetricsWriter:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+
+
+def progress_bar(total: int, desc: str, enabled: bool, initial: int = 0):
+    """A tqdm bar on stderr (stdout stays for the command's result), or None when disabled."""
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, file=sys.stderr)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,6 +21,7 @@ from tmax_jax.agent.trajectory import Trajectory, iter_jsonl, write_jsonl
 from tmax_jax.errors import ConfigError, TmaxError
 from tmax_jax.rl.logprobs import token_logprobs
 from tmax_jax.rl.train_step import TrainStep
+from tmax_jax.train.metrics import progress_bar
 
 SUMMARY_FILE = "sft_summary.json"
 EXAMPLES_FILE = "sft_examples.jsonl"  # the trajectories trained on, so a run can be inspected or redone
@@ -110,7 +110,7 @@ def run_sft(
     rng = np.random.default_rng(cfg.seed)
     nll: list[float] = []
     t0 = time.monotonic()
-    bar = _bar(sc.steps, progress)
+    bar = progress_bar(sc.steps, "sft", progress)
     try:
         for _ in range(sc.steps):
             pick = rng.choice(len(data), size=min(sc.batch_size, len(data)), replace=False)
@@ -184,11 +184,3 @@ def successful_trajectories(
     if not kept:
         raise TmaxError(f"no trajectory with reward >= {min_reward} in {', '.join(map(str, paths))}")
     return kept, counts
-
-
-def _bar(total: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="sft", dynamic_ncols=True, file=sys.stderr)
