@@ -6,10 +6,13 @@ cluster passes the coordinator address, process count and id explicitly. A singl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 from typing import Literal
 
 import jax
+import numpy as np
 
 from tmax_jax.errors import ConfigError
 
@@ -64,3 +67,46 @@ def initialize(cfg: DistributedConfig) -> bool:
 def is_primary() -> bool:
     """Process 0 writes logs, metrics and HF exports; every process writes its checkpoint shards."""
     return jax.process_index() == 0
+
+
+def allgather_json(obj):
+    """Every process's ``obj`` (any JSON-serialisable value), in process order, on every process.
+
+    A collective: all processes must call it, in the same order relative to their other collectives.
+    One process returns ``[obj]`` at no cost.
+    """
+    if jax.process_count() == 1:
+        return [obj]
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int32))).reshape(-1)
+    buf = np.zeros(int(sizes.max()), np.uint8)
+    buf[: data.size] = data
+    gathered = np.asarray(multihost_utils.process_allgather(buf))
+    return [json.loads(bytes(gathered[p, : sizes[p]]).decode()) for p in range(len(sizes))]
+
+
+def any_process(flag: bool) -> bool:
+    """Whether ``flag`` is true on any process (a collective, like :func:`allgather_json`)."""
+    return any(allgather_json(bool(flag)))
+
+
+def barrier(name: str) -> None:
+    """Wait until every process reaches the barrier ``name`` (no-op for one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+@contextlib.contextmanager
+def primary_first(name: str):
+    """Process 0 runs the block, then the others do: for files that one process must create before
+    the rest read them (the run's config.yaml, generated tasks, a tiny init checkpoint). If process 0
+    fails inside the block the others wait until the distributed runtime notices it is gone."""
+    if not is_primary():
+        barrier(f"{name}:primary")
+    yield
+    if is_primary():
+        barrier(f"{name}:primary")

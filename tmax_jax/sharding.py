@@ -230,3 +230,61 @@ def describe(tree, limit: int = 0) -> list[str]:
 
     jax.tree_util.tree_map_with_path(visit, tree)
     return lines[:limit] if limit else lines
+
+
+def local_mesh_config(cfg: MeshConfig, num_local_devices: int) -> MeshConfig:
+    """The mesh for one process's own devices: the configured tensor axis where it fits inside one
+    process (tensor parallelism stays on the fast local links), fsdp over the rest."""
+    tensor = math.gcd(cfg.tensor if cfg.tensor > 0 else num_local_devices, num_local_devices)
+    return dataclasses.replace(cfg, data=1, fsdp=-1, tensor=tensor)
+
+
+class ProcessReplicas:
+    """One full copy of a param tree per process, held on that process's own devices.
+
+    Multi-host RL samples on every host with a local engine: after each train step the params,
+    sharded over the global mesh, are resharded (``jax.device_put``, collectives over all processes)
+    onto a ``(process, data, fsdp, tensor)`` mesh whose specs never use the ``process`` axis, so every
+    process ends up with a complete copy sharded over its local mesh; those addressable shards then
+    become an ordinary process-local array. Every process must call it at the same point.
+    """
+
+    PROCESS_AXIS = "process"
+
+    def __init__(self, params, cfg: MeshConfig = MeshConfig()):
+        pid, nproc = jax.process_index(), jax.process_count()
+        by_process = [[d for d in jax.devices() if d.process_index == p] for p in range(nproc)]
+        counts = {len(ds) for ds in by_process}
+        if len(counts) != 1:
+            raise ConfigError(
+                f"processes have different device counts {sorted(counts)}: no common local mesh"
+            )
+        n_local = counts.pop()
+        self.mesh_cfg = local_mesh_config(cfg, n_local)
+        shape = self.mesh_cfg.resolve(n_local)
+        auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+        self.local_mesh = Mesh(np.asarray(by_process[pid]).reshape(shape), MESH_AXES, axis_types=auto)
+        self.global_mesh = Mesh(
+            np.asarray(by_process).reshape((nproc, *shape)),
+            (self.PROCESS_AXIS, *MESH_AXES),
+            axis_types=(jax.sharding.AxisType.Auto,) * (len(MESH_AXES) + 1),
+        )
+        specs = param_partition_specs(params, self.local_mesh, self.mesh_cfg)
+        self.local_shardings = jax.tree.map(
+            lambda v: v.replace(NamedSharding(self.local_mesh, v.get_value())), specs, is_leaf=_is_var
+        )
+        self.replica_shardings = jax.tree.map(
+            lambda v: v.replace(NamedSharding(self.global_mesh, v.get_value())), specs, is_leaf=_is_var
+        )
+
+    def __call__(self, params):
+        """This process's copy of ``params`` (a new buffer: later donation of ``params`` is safe)."""
+        replicas = jax.device_put(params, self.replica_shardings)
+
+        def local(src, replica, sharding):
+            shards = [s.data for s in replica.addressable_shards]
+            out = jax.make_array_from_single_device_arrays(replica.shape, sharding, shards)
+            # device_put may hand back the very same buffers when nothing moves; copy those.
+            return out.copy() if replica is src else out
+
+        return jax.tree.map(local, params, replicas, self.local_shardings)

@@ -154,3 +154,26 @@ def pad_rows_pow2(batch: dict[str, np.ndarray], multiple: int) -> dict[str, np.n
     if target == rows:
         return batch
     return {k: np.pad(v, ((0, target - rows), (0, 0))) for k, v in batch.items()}
+
+
+def pad_rows_across_processes(batch: dict[str, np.ndarray], rows_multiple: int) -> dict[str, np.ndarray]:
+    """``pad_rows_pow2`` for this process's share of a global batch: every JAX process pads its local
+    rows to the same power-of-two count (the largest any of them needs), so the rows assemble into one
+    global batch of ``rows_multiple``-divisible size. A collective (all processes call it each step);
+    with one process it is ``pad_rows_pow2(batch, rows_multiple)``."""
+    import jax
+
+    from tmax_jax.distributed import allgather_json
+
+    nproc = jax.process_count()
+    if rows_multiple % nproc:
+        raise ConfigError(
+            f"rows_multiple {rows_multiple} (data * fsdp * micro_batches) is not divisible by the "
+            f"{nproc} JAX processes: each must feed the same number of rows"
+        )
+    batch = pad_rows_pow2(batch, rows_multiple // nproc)
+    rows = batch["input_ids"].shape[0]
+    target = max(allgather_json(int(rows)))
+    if target == rows:
+        return batch
+    return {k: np.pad(v, ((0, target - rows), (0, 0))) for k, v in batch.items()}

@@ -1,12 +1,20 @@
 """``tmax-jax train``: warm start, then asynchronous DPPO with rollouts in sandboxes.
 
-One process runs everything: rollout workers (episode threads over the sandbox pool and the
+One JAX process runs everything: rollout workers (episode threads over the sandbox pool and the
 engine's orchestrator) produce one batch of groups per step, up to ``async_steps`` ahead of the
 trainer; the trainer drops stale groups, soft-filters flat groups, computes group advantages,
 packs the trajectories into rows, runs the jitted DPPO step and pushes the new weights to the
 engine (no recompilation; episodes in flight continue with the new weights, and every token
 records the version that sampled it). Checkpoints (orbax) carry the train state and the prompt
 loader position, so a killed run resumes at the step after its last checkpoint.
+
+Several JAX processes (a TPU pod, GPU hosts: the same command on every host after
+``jax.distributed.initialize``) each sample on an engine of their own over their local devices: each
+reads its own shard of the prompts, runs its groups, packs its rows and feeds them as its part of one
+global batch; after every step the new params, sharded over all hosts, are gathered into a full copy
+on each host's devices for its engine. Advantages, metrics and evaluations are computed from what
+all processes gathered; process 0 writes the run's files; a stop signal on any process stops all of
+them at the same step boundary.
 """
 
 from __future__ import annotations
@@ -22,13 +30,15 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from tmax_jax.agent.chat import ChatFormatter
 from tmax_jax.agent.protocol import BASH_TOOL
 from tmax_jax.agent.trajectory import write_jsonl
 from tmax_jax.data import DataConfig, PromptLoader
-from tmax_jax.errors import TmaxError
-from tmax_jax.rl.packing import pad_rows_pow2 as _pow2_rows
+from tmax_jax.distributed import allgather_json, any_process, barrier, is_primary, primary_first
+from tmax_jax.errors import ConfigError, TmaxError
+from tmax_jax.rl.packing import pad_rows_across_processes
 from tmax_jax.train.config import TrainConfig
 from tmax_jax.train.metrics import MetricsWriter, progress_bar
 from tmax_jax.train.plot import line_chart
@@ -43,7 +53,8 @@ from tmax_jax.train.setup import (
 
 
 def _log(msg: str) -> None:
-    print(f"[tmax-jax train] {msg}", file=sys.stderr, flush=True)
+    who = f" p{jax.process_index()}/{jax.process_count()}" if jax.process_count() > 1 else ""
+    print(f"[tmax-jax train{who}] {msg}", file=sys.stderr, flush=True)
 
 
 class Trainer:
@@ -55,8 +66,9 @@ class Trainer:
         jax.config.update("jax_cpu_enable_async_dispatch", False)
         enable_compilation_cache()
         self.cfg = cfg
-        self.progress = progress
-        self.run_dir = prepare_run_dir(cfg)
+        self.pid, self.nproc = jax.process_index(), jax.process_count()
+        self.progress = progress and is_primary()
+        self.run_dir = Path(cfg.run_dir)
         self._stop = threading.Event()
         self._trainer_step = 0
         self._step_cv = threading.Condition()
@@ -67,25 +79,23 @@ class Trainer:
         from tmax_jax.engine.engine import Engine
         from tmax_jax.rl.state import TrainCheckpointer
         from tmax_jax.rl.train_step import TrainStep
-        from tmax_jax.sharding import make_mesh
+        from tmax_jax.sharding import ProcessReplicas, make_mesh
         from tmax_jax.tokenizer import load_tokenizer
 
         cfg = self.cfg
-        if jax.process_count() > 1:
-            # Rollouts are driven by threads whose timing differs per process, while every engine
-            # call on params sharded across hosts would be a collective that all processes must
-            # enter in the same order: the run would deadlock rather than fail. Refuse it instead.
-            raise TmaxError(
-                f"tmax-jax train runs as one JAX process (any number of local devices); this is "
-                f"process {jax.process_index()} of {jax.process_count()}. Multi-host RL needs per-host "
-                "rollout engines, which are not built yet; `tmax-jax plan` and the sharded train step "
-                "(tmax_jax.rl.train_step) do run multi-host."
+        if cfg.prompts_per_step % self.nproc:
+            raise ConfigError(
+                f"prompts_per_step={cfg.prompts_per_step} must be divisible by the {self.nproc} JAX "
+                "processes (each runs the same number of groups per step)"
             )
-        init = policy_checkpoint(cfg, self.run_dir)
+        # Files one process creates and the others read: process 0 first (a shared run_dir).
+        with primary_first("tmax-jax train: run dir"):
+            prepare_run_dir(cfg)
+            init = policy_checkpoint(cfg, self.run_dir)
+            self.train_tasks, self.heldout_tasks = load_task_sets(cfg, self.run_dir)
         self.tokenizer = load_tokenizer(init)
         tools = [BASH_TOOL] if cfg.agent.tool_schema_in_prompt else None
         self.chat = ChatFormatter(self.tokenizer, tools=tools, template_kwargs={"enable_thinking": False})
-        self.train_tasks, self.heldout_tasks = load_task_sets(cfg, self.run_dir)
         _log(f"{len(self.train_tasks)} train tasks, {len(self.heldout_tasks)} held-out; policy from {init}")
         self.mesh = make_mesh(cfg.mesh)
 
@@ -95,6 +105,11 @@ class Trainer:
             init, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, remat=cfg.rl.train_step.remat
         )
         self.train_step = TrainStep(model, cfg.rl, self.mesh, cfg.mesh)
+        if self.train_step.rows_multiple % self.nproc:
+            raise ConfigError(
+                f"data * fsdp * micro_batches = {self.train_step.rows_multiple} must be divisible by the "
+                f"{self.nproc} JAX processes (each feeds the same number of rows)"
+            )
         self.ckpt = TrainCheckpointer(
             self.run_dir / "checkpoints", save_every=cfg.save_every, keep=cfg.keep_checkpoints
         )
@@ -104,9 +119,15 @@ class Trainer:
             self.data_state = None
             self.start_step = 0
         else:
-            self.start_step, self.state, self.data_state = restored
+            self.start_step, self.state, saved = restored
+            self.data_state = self._own_loader_state(saved)
             _log(f"resumed from checkpoint step {self.start_step}")
-        engine_model = self.train_step.model(self.state)
+        # One JAX process: the engine samples with the train shardings on every device. Several: each
+        # process's engine holds a full copy on its own devices, refreshed after every step.
+        self.replicas = ProcessReplicas(self.state.params, cfg.mesh) if self.nproc > 1 else None
+        engine_model = nnx.merge(
+            self.train_step.graphdef, self._engine_params(as_state=False), self.train_step.rest
+        )
         self.engine = Engine(
             engine_model,
             max_concurrent_decodes=cfg.engine.slots,
@@ -116,17 +137,39 @@ class Trainer:
             eos_token_ids=[self.chat.end_id],
             tokenizer=self.tokenizer,
         )
-        # The train step donates its state: the engine gets its own copy of the weights.
-        self.engine.update_params(self._engine_params(), version=self.start_step)
+        self.engine.update_params(self.engine.params, version=self.start_step)
         self._start_workers()
         records = [{"task_id": str(i), "instruction": t.instruction} for i, t in enumerate(self.train_tasks)]
         self.loader = PromptLoader(
-            records, cfg.prompts_per_step, DataConfig(seed=cfg.seed), shard_index=0, shard_count=1
+            records,
+            cfg.prompts_per_step // self.nproc,
+            DataConfig(seed=cfg.seed),
+            shard_index=self.pid,
+            shard_count=self.nproc,
         )
         if self.data_state:
-            self.loader.set_state(self.data_state["loader"])
-        self.metrics = MetricsWriter(self.run_dir)
+            self.loader.set_state(self.data_state)
+        self.metrics = MetricsWriter(self.run_dir, enabled=is_primary())
         self.metrics.truncate_after(self.start_step)
+
+    def _own_loader_state(self, saved: dict) -> dict | None:
+        """This process's prompt-loader position from a checkpoint's data item."""
+        if "loaders" not in saved:  # written before per-process loader states
+            return saved.get("loader")
+        loaders = saved["loaders"]
+        if len(loaders) != self.nproc:
+            raise ConfigError(
+                f"the checkpoint in {self.run_dir} was written by {len(loaders)} JAX process(es), this run "
+                f"has {self.nproc}: the prompt shards differ; resume with {len(loaders)} process(es)"
+            )
+        return loaders[self.pid]
+
+    def _save(self, step: int, loader_state: dict | None, *, force: bool = False) -> None:
+        """Checkpoint ``step`` when the interval (or ``force``) says so, with every process's loader position."""
+        if not force and step % self.cfg.save_every:
+            return
+        loaders = allgather_json(loader_state)  # same decision on every process: all enter it
+        self.ckpt.save(step, self.state, {"loaders": loaders, "version": step}, force=True)
 
     def _start_workers(self) -> None:
         from tmax_jax.engine.orchestrator import Orchestrator
@@ -143,10 +186,14 @@ class Trainer:
             top_p=cfg.top_p,
         )
 
-    def _engine_params(self):
-        from flax import nnx
-
-        return jax.tree.map(jnp.copy, nnx.state(self.train_step.model(self.state)))
+    def _engine_params(self, *, as_state: bool = True):
+        """A copy of the current params for the engine (the train step donates its own); with
+        several processes, this process's full copy (a collective: every process calls it)."""
+        params = self.state.params
+        params = jax.tree.map(jnp.copy, params) if self.replicas is None else self.replicas(params)
+        if not as_state:
+            return params
+        return nnx.state(nnx.merge(self.train_step.graphdef, params, self.train_step.rest))
 
     def _warm_start(self, init: Path) -> Path:
         """SFT on demonstrations into RUN_DIR/sft (once); returns the checkpoint RL starts from."""
@@ -159,13 +206,22 @@ class Trainer:
         if (out / "DONE").is_file():
             return out
         t0 = time.monotonic()
+        # Each process replays its share of the solutions; all then train on all of them.
         demos, rejected = demonstrations(
-            self.train_tasks * sc.demos_per_task,
+            (self.train_tasks * sc.demos_per_task)[self.pid :: self.nproc],
             self.chat,
             self.cfg.agent,
             self.cfg.sandbox,
             workers=self.cfg.rollout_workers,
         )
+        if self.nproc > 1:
+            from collections import Counter
+
+            from tmax_jax.agent.trajectory import Trajectory
+
+            shares = allgather_json([[d.to_json() for d in demos], dict(rejected)])
+            demos = [Trajectory.from_json(d) for share, _ in shares for d in share]
+            rejected = sum((Counter(r) for _, r in shares), Counter())
         if not demos:
             raise TmaxError(
                 "SFT warm start: no task produced a passing demonstration (check the tasks' solutions); "
@@ -173,7 +229,9 @@ class Trainer:
             )
         _log(f"SFT: {len(demos)} demonstrations in {time.monotonic() - t0:.1f}s; {sc.steps} steps")
         summary = run_sft(init, demos, out, self.cfg, mesh=self.mesh, progress=self.progress, log=_log)
-        (out / "DONE").write_text(json.dumps(summary))
+        if is_primary():
+            (out / "DONE").write_text(json.dumps(summary))
+        barrier("tmax-jax train: sft done")
         return out
 
     # ------------------------------------------------------------------ rollouts
@@ -192,8 +250,10 @@ class Trainer:
                 records = self.loader.next_batch()
                 data_state = self.loader.get_state()
                 tasks = [self.train_tasks[int(r["task_id"])] for r in records]
-                keys = [(cfg.seed, index, p) for p in range(len(tasks))]
-                gids = [index * cfg.prompts_per_step + p for p in range(len(tasks))]
+                # Prompt p of this process is prompt first + p of the step (seeds and group ids are global).
+                first = self.pid * (cfg.prompts_per_step // self.nproc)
+                keys = [(cfg.seed, index, first + p) for p in range(len(tasks))]
+                gids = [index * cfg.prompts_per_step + first + p for p in range(len(tasks))]
                 groups = self.workers.groups(tasks, cfg.group_size, keys, gids)
                 self.queue.put(RolloutBatch(index, groups, data_state, rollout_s=time.monotonic() - t0))
                 index += 1
@@ -209,7 +269,7 @@ class Trainer:
         reached and returns ``{"interrupted": True, "step": N}``; earlier (warm start, the first eval)
         or later (the final eval) it raises KeyboardInterrupt. Either way no episode, sandbox or
         worker thread outlives it."""
-        self._interrupts = _Interrupts()
+        self._interrupts = _Interrupts(collective=self.nproc > 1)
         self._interrupts.install()
         try:
             return self._run()
@@ -232,7 +292,8 @@ class Trainer:
                     f"held-out pass rate before RL ({len(self.heldout_tasks)} tasks x {cfg.eval.samples_per_task})"
                 )
                 before = self.workers.pass_rate(self.heldout_tasks, cfg.eval.samples_per_task, cfg.seed)
-                before_path.write_text(json.dumps(before))
+                if is_primary():
+                    before_path.write_text(json.dumps(before))
         except BaseException:
             self._stop_workers(now=True)
             raise
@@ -249,51 +310,53 @@ class Trainer:
         data_state = self.data_state  # the loader position after the last trained step's batch
         unwritten = None  # metrics of a trained step whose row is not in metrics.jsonl yet
         try:
-            while step < cfg.steps:
-                t_wait = time.monotonic()
-                try:
-                    batch = self.queue.get(current_version=step)
-                except QueueClosed:
-                    raise TmaxError(
-                        f"rollout worker failed: {self._producer_error!r}"
-                    ) from self._producer_error
-                wait_s = time.monotonic() - t_wait
-                t_train = time.monotonic()
-                # The step donates the train state: an interrupt must not land between the update
-                # and the bookkeeping that makes it the state of `step`.
-                with self._interrupts.deferred():
-                    metrics = self._train_on(batch, step)
-                    step += 1
-                    data_state = batch.data_state
-                    self.engine.update_params(self._engine_params(), version=step)
-                    with self._step_cv:
-                        self._trainer_step = step
-                        self._step_cv.notify_all()
-                    metrics.update(
-                        trainer_wait_s=wait_s,
-                        train_s=time.monotonic() - t_train,
-                        rollout_s=batch.rollout_s,
-                        **self.workers.stats.snapshot_and_reset(),
-                    )
-                    unwritten = metrics
-                if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
-                    ev = self.workers.pass_rate(self.heldout_tasks, cfg.eval.samples_per_task, cfg.seed)
-                    metrics["heldout_pass_rate"] = ev["pass_rate"]
-                with self._interrupts.deferred():
-                    self.metrics.write(step, metrics)
-                    unwritten = None
-                    # The last step always: the final eval may yet be interrupted, and export-hf wants it.
-                    self.ckpt.save(
-                        step, self.state, {"loader": data_state, "version": step}, force=step == cfg.steps
-                    )
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(
-                        reward=f"{metrics['reward_mean']:.2f}",
-                        pass_=f"{metrics['pass_rate']:.2f}",
-                        masked=f"{metrics.get('masked_fraction', 0.0):.3f}",
-                        gap=f"{metrics.get('max_abs_logprob_diff', 0.0):.2g}",
-                    )
+            # Several processes stop together: a signal is held until the next step boundary, where
+            # all of them learn whether any process got one (one process leaving would hang the rest).
+            with self._interrupts.deferred() if self.nproc > 1 else contextlib.nullcontext():
+                while step < cfg.steps:
+                    t_wait = time.monotonic()
+                    try:
+                        batch = self.queue.get(current_version=step)
+                    except QueueClosed:
+                        raise TmaxError(
+                            f"rollout worker failed: {self._producer_error!r}"
+                        ) from self._producer_error
+                    wait_s = time.monotonic() - t_wait
+                    t_train = time.monotonic()
+                    # The step donates the train state: an interrupt must not land between the update
+                    # and the bookkeeping that makes it the state of `step`.
+                    with self._interrupts.deferred():
+                        metrics = self._train_on(batch, step)
+                        step += 1
+                        data_state = batch.data_state
+                        self.engine.update_params(self._engine_params(), version=step)
+                        with self._step_cv:
+                            self._trainer_step = step
+                            self._step_cv.notify_all()
+                        metrics.update(
+                            trainer_wait_s=wait_s,
+                            train_s=time.monotonic() - t_train,
+                            rollout_s=batch.rollout_s,
+                            **self.workers.stats.snapshot_and_reset(),
+                        )
+                        unwritten = metrics
+                    if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
+                        ev = self.workers.pass_rate(self.heldout_tasks, cfg.eval.samples_per_task, cfg.seed)
+                        metrics["heldout_pass_rate"] = ev["pass_rate"]
+                    with self._interrupts.deferred():
+                        self.metrics.write(step, metrics)
+                        unwritten = None
+                        # The last step always: the final eval may yet be interrupted, and export-hf wants it.
+                        self._save(step, data_state, force=step == cfg.steps)
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(
+                            reward=f"{metrics['reward_mean']:.2f}",
+                            pass_=f"{metrics['pass_rate']:.2f}",
+                            masked=f"{metrics.get('masked_fraction', 0.0):.3f}",
+                            gap=f"{metrics.get('max_abs_logprob_diff', 0.0):.2g}",
+                        )
+                    self._interrupts.step_boundary()
         except KeyboardInterrupt:
             interrupted = True
             _log(f"interrupted: saving step {step} and exiting")
@@ -302,7 +365,7 @@ class Trainer:
             if unwritten is not None:
                 self.metrics.write(step, unwritten)
             if step > self.start_step and step not in self.ckpt.steps():
-                self.ckpt.save(step, self.state, {"loader": data_state, "version": step}, force=True)
+                self._save(step, data_state, force=True)
         finally:
             if bar is not None:
                 bar.close()
@@ -317,8 +380,9 @@ class Trainer:
         _log("held-out pass rate after RL")
         after = self._final_eval()
         summary = self._summary(before, after, step)
-        summary_path.write_text(json.dumps(summary, indent=2))
-        self._plot(before, after)
+        if is_primary():
+            summary_path.write_text(json.dumps(summary, indent=2))
+            self._plot(before, after)
         _log(
             f"done: pass rate {summary['pass_rate_before']:.3f} -> {summary['pass_rate_after']:.3f} "
             f"({summary['steps']} steps); summary in {summary_path}"
@@ -354,6 +418,11 @@ class Trainer:
         if orch is not None:
             orch.stop()
 
+    def trajectory_file(self, step: int) -> Path:
+        """Where the episodes trained on at ``step`` are written (one file per process when several)."""
+        part = f".p{self.pid}" if self.nproc > 1 else ""
+        return self.run_dir / "trajectories" / f"step_{step:06d}{part}.jsonl"
+
     def _train_on(self, batch: RolloutBatch, step: int) -> dict:
         from tmax_jax.rl.advantages import group_advantages
         from tmax_jax.rl.packing import pack_trajectories
@@ -361,40 +430,65 @@ class Trainer:
         cfg = self.cfg
         trajs = [t for g in batch.groups for t in g.trajectories]
         if cfg.save_trajectories and trajs:
-            write_jsonl(self.run_dir / "trajectories" / f"step_{step + 1:06d}.jsonl", trajs)
-        rewards = [t.reward for t in trajs]
+            write_jsonl(self.trajectory_file(step + 1), trajs)
+        # What metrics and advantages need of every episode of the step, from every process (in
+        # process order: this process's episodes start at `offset`); groups never span processes.
+        shares = allgather_json(
+            [
+                [
+                    t.reward,
+                    bool(t.info.get("passed", False)),
+                    t.group_id,
+                    t.num_turns,
+                    len(t.tokens),
+                    t.num_format_errors,
+                    step - t.min_version if t.num_generated else 0,
+                ]
+                for t in trajs
+            ]
+            + [batch.dropped_stale]
+        )
+        dropped = sum(share.pop() for share in shares)
+        offset = sum(len(share) for share in shares[: self.pid])
+        everyone = [e for share in shares for e in share]
+        rewards, passed, gids, turns, tokens, format_errors, staleness = (
+            [list(c) for c in zip(*everyone)] if everyone else [[]] * 7
+        )
+
+        def mean(xs) -> float:
+            return float(np.mean(xs)) if xs else 0.0
+
         metrics: dict = {
-            "reward_mean": float(np.mean(rewards)) if rewards else 0.0,
-            "pass_rate": float(np.mean([t.info.get("passed", False) for t in trajs])) if trajs else 0.0,
-            "groups_stale_dropped": batch.dropped_stale,
-            "episode_turns_mean": float(np.mean([t.num_turns for t in trajs])) if trajs else 0.0,
-            "episode_tokens_mean": float(np.mean([len(t.tokens) for t in trajs])) if trajs else 0.0,
-            "format_errors_mean": float(np.mean([t.num_format_errors for t in trajs])) if trajs else 0.0,
-            "staleness_max": max((step - t.min_version for t in trajs if t.num_generated), default=0),
+            "reward_mean": mean(rewards),
+            "pass_rate": mean(passed),
+            "groups_stale_dropped": dropped,
+            "episode_turns_mean": mean(turns),
+            "episode_tokens_mean": mean(tokens),
+            "format_errors_mean": mean(format_errors),
+            "staleness_max": max(staleness, default=0),
         }
-        if not trajs:
+        if not everyone:
             metrics["skipped_update"] = 1
             return metrics
-        adv = group_advantages(rewards, [t.group_id for t in trajs], cfg.rl.advantage)
+        adv = group_advantages(rewards, gids, cfg.rl.advantage)
         metrics.update({f"adv/{k}": v for k, v in adv.stats().items()})
         kept = [i for i, k in enumerate(adv.keep) if k]
         if not kept:
             metrics["skipped_update"] = 1  # every group was flat: no learning signal this step
             return metrics
+        mine = [i for i in kept if offset <= i < offset + len(trajs)]
+        # A process whose groups were all flat still feeds rows (empty ones) to the global batch.
         packed, _ = pack_trajectories(
-            [trajs[i] for i in kept],
-            [float(adv.advantages[i]) for i in kept],
-            seq_len=cfg.seq_len,
-            rows_multiple=self.train_step.rows_multiple,
+            [trajs[i - offset] for i in mine], [float(adv.advantages[i]) for i in mine], seq_len=cfg.seq_len
         )
-        packed = _pow2_rows(packed, self.train_step.rows_multiple)
+        packed = pad_rows_across_processes(packed, self.train_step.rows_multiple)
         t0 = time.monotonic()
         self.state, m = self.train_step(self.state, packed)
         m = {k: float(v) for k, v in m.items()}
         dt = time.monotonic() - t0
         metrics.update(m)
         metrics["skipped_update"] = 0
-        metrics["train_tokens_per_s"] = float(packed["segment_ids"].astype(bool).sum()) / max(dt, 1e-9)
+        metrics["train_tokens_per_s"] = float(sum(tokens[i] - 1 for i in kept)) / max(dt, 1e-9)
         return metrics
 
     def _summary(self, before: dict, after: dict, step: int) -> dict:
@@ -428,11 +522,13 @@ class Trainer:
 class _Interrupts:
     """SIGINT and SIGTERM as KeyboardInterrupt in the main thread, at once, except inside
     ``deferred()`` blocks, whose end raises it instead (a train step must not be cut between the
-    update of its donated state and the bookkeeping of that update)."""
+    update of its donated state and the bookkeeping of that update). Several processes hold the
+    whole RL loop in one ``deferred()`` block and stop at ``step_boundary()`` together."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self):
+    def __init__(self, *, collective: bool = False):
+        self.collective = collective  # several JAX processes: they decide to stop together
         self.pending = False
         self._depth = 0
         self._previous: dict = {}
@@ -463,6 +559,13 @@ class _Interrupts:
         finally:
             self._depth -= 1
         if self.pending and not self._depth:
+            raise KeyboardInterrupt
+
+    def step_boundary(self) -> None:
+        """Raise KeyboardInterrupt when a signal is pending here or, in collective mode, on any
+        process (a collective: every process calls it once per step)."""
+        if any_process(self.pending) if self.collective else self.pending:
+            self.pending = True
             raise KeyboardInterrupt
 
 

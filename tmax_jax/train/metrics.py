@@ -10,17 +10,22 @@ from pathlib import Path
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True):
+    """``enabled=False`` (every process of a pod but process 0) writes nothing and still reads."""
+
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, enabled: bool = True):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
+        self.enabled = enabled
         self._tb = None
-        if tensorboard:
+        if tensorboard and enabled:
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(str(self.run_dir / "tb"))
 
     def write(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
         clean = {}
         for k, v in metrics.items():
             if hasattr(v, "item"):
@@ -39,7 +44,7 @@ class MetricsWriter:
 
     def truncate_after(self, step: int) -> None:
         """On resume, forget records of steps that the restored checkpoint had not reached."""
-        if not self.path.exists():
+        if not self.enabled or not self.path.exists():
             return
         keep = [
             ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step

@@ -120,18 +120,34 @@ class RolloutWorkers:
         return out
 
     def pass_rate(self, tasks: Sequence[Task], samples: int, run_seed: int) -> dict:
-        """Mean reward and pass rate over ``tasks x samples`` episodes with the current policy."""
-        groups = self.groups(
-            tasks, samples, [(run_seed, 999_999, i) for i in range(len(tasks))], range(len(tasks))
-        )
+        """Mean reward and pass rate over ``tasks x samples`` episodes with the current policy.
+
+        With several JAX processes each runs its share of the tasks (every ``process_count``-th) on
+        its own engine and the counts are summed over all of them (a collective: every process must
+        call it); a task's sampling seeds do not depend on the process count.
+        """
+        import jax
+
+        from tmax_jax.distributed import allgather_json
+
+        pid, nproc = jax.process_index(), jax.process_count()
+        mine = list(range(pid, len(tasks), nproc))
+        groups = self.groups([tasks[i] for i in mine], samples, [(run_seed, 999_999, i) for i in mine], mine)
         trajs = [tr for g in groups for tr in g.trajectories]
-        if not trajs:
+        local = [
+            len(trajs),
+            sum(bool(tr.info["passed"]) for tr in trajs),
+            sum(tr.reward for tr in trajs),
+            sum(tr.num_turns for tr in trajs),
+        ]
+        episodes, passed, reward, turns = np.sum(allgather_json(local), axis=0).tolist()
+        if not episodes:
             return {"pass_rate": 0.0, "reward_mean": 0.0, "episodes": 0}
         return {
-            "pass_rate": float(np.mean([tr.info["passed"] for tr in trajs])),
-            "reward_mean": float(np.mean([tr.reward for tr in trajs])),
-            "episodes": len(trajs),
-            "turns_mean": float(np.mean([tr.num_turns for tr in trajs])),
+            "pass_rate": passed / episodes,
+            "reward_mean": reward / episodes,
+            "episodes": int(episodes),
+            "turns_mean": turns / episodes,
         }
 
     def close(self) -> None:

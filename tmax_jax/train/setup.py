@@ -6,6 +6,7 @@ import os
 import sys
 from pathlib import Path
 
+import jax
 import yaml
 
 from tmax_jax.config import override, to_dict
@@ -67,7 +68,8 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
                 f"{run_dir} holds a run with a different config (changed: {', '.join(changed)}); "
                 "use a new --run-dir or the same config to resume"
             )
-    path.write_text(yaml.safe_dump(new, sort_keys=False))
+    if jax.process_index() == 0:  # the others of a pod only check (their distributed.process_id differs)
+        path.write_text(yaml.safe_dump(new, sort_keys=False))
     return run_dir
 
 

@@ -69,10 +69,16 @@ def run_sft(
     (optimizer, micro-batches, remat), ``cfg.model`` (dtypes), ``cfg.mesh`` (or ``mesh``) and
     ``cfg.seed``. Each step trains on ``batch_size`` examples drawn without replacement. Examples
     longer than ``seq_len`` or without policy tokens are skipped (counted in the summary).
+
+    Several JAX processes (a pod) all call it with the same ``examples``: each feeds its share of
+    every step's picks, process 0 writes ``out``, and nobody returns before it is written.
     """
+    import jax
+
     from tmax_jax.checkpoints import load_hf, read_hf_config, save_hf
-    from tmax_jax.rl.packing import pack_trajectories, pad_rows_pow2
-    from tmax_jax.sharding import make_mesh
+    from tmax_jax.distributed import barrier, is_primary
+    from tmax_jax.rl.packing import pack_trajectories, pad_rows_across_processes
+    from tmax_jax.sharding import ProcessReplicas, make_mesh
 
     sc = cfg.sft
     if sc.steps < 1:
@@ -110,17 +116,14 @@ def run_sft(
     rng = np.random.default_rng(cfg.seed)
     nll: list[float] = []
     t0 = time.monotonic()
-    bar = progress_bar(sc.steps, "sft", progress)
+    pid, nproc = jax.process_index(), jax.process_count()
+    bar = progress_bar(sc.steps, "sft", progress and is_primary())
     try:
         for _ in range(sc.steps):
-            pick = rng.choice(len(data), size=min(sc.batch_size, len(data)), replace=False)
-            batch, _ = pack_trajectories(
-                [data[j] for j in pick],
-                [1.0] * len(pick),
-                seq_len=sc.seq_len,
-                rows_multiple=step.rows_multiple,
-            )
-            state, m = step(state, pad_rows_pow2(batch, step.rows_multiple))
+            # Every process holds the same examples and draws the same picks; each feeds its share.
+            pick = rng.choice(len(data), size=min(sc.batch_size, len(data)), replace=False)[pid::nproc]
+            batch, _ = pack_trajectories([data[j] for j in pick], [1.0] * len(pick), seq_len=sc.seq_len)
+            state, m = step(state, pad_rows_across_processes(batch, step.rows_multiple))
             nll.append(float(m["loss"]))
             if bar is not None:
                 bar.update(1)
@@ -128,10 +131,12 @@ def run_sft(
     finally:
         if bar is not None:
             bar.close()
-    (out / SUMMARY_FILE).unlink(missing_ok=True)  # an earlier run's marker must not vouch for these files
-    save_hf(step.model(state), out, tokenizer=init)
-    (out / EXAMPLES_FILE).unlink(missing_ok=True)
-    write_jsonl(out / EXAMPLES_FILE, data)
+    if nproc > 1:  # the params span every process: gather a full copy onto each (a collective)
+        tuned = nnx.merge(
+            step.graphdef, ProcessReplicas(state.params, step.mesh_cfg)(state.params), step.rest
+        )
+    else:
+        tuned = step.model(state)
     summary = {
         "init": str(init),
         "steps": sc.steps,
@@ -146,8 +151,14 @@ def run_sft(
         "final_nll": nll[-1],
         "train_s": round(time.monotonic() - t0, 3),
     }
-    # Written last: its presence says the checkpoint beside it is complete.
-    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+    if is_primary():
+        (out / SUMMARY_FILE).unlink(missing_ok=True)  # an earlier run's marker must not vouch for these files
+        save_hf(tuned, out, tokenizer=init)
+        (out / EXAMPLES_FILE).unlink(missing_ok=True)
+        write_jsonl(out / EXAMPLES_FILE, data)
+        # Written last: its presence says the checkpoint beside it is complete.
+        (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+    barrier("tmax-jax sft: checkpoint written")  # no process reads ``out`` before process 0 wrote it
     log(f"SFT: {sc.steps} steps on {len(data)} examples, NLL {nll[0]:.3f} -> {nll[-1]:.3f}; saved to {out}")
     return summary
 
