@@ -87,7 +87,7 @@ def test_sigint_during_rl_saves_the_step_and_exits_130(tmp_path):
     # The checkpoint resumes the prompt loader right after the batches of the steps it holds (the
     # rollouts had drawn more batches than the trainer had trained on).
     data = json.loads((run_dir / "checkpoints" / str(step) / "data" / "metadata").read_text())
-    assert data["version"] == step and data["loader"]["batches_done"] == step
+    assert data["version"] == step and data["loaders"][0]["batches_done"] == step  # one per process
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, step + 1))
     assert not (run_dir / "summary.json").exists()
