@@ -329,7 +329,9 @@ class Trainer:
                         metrics = self._train_on(batch, step)
                         step += 1
                         data_state = batch.data_state
-                        self.engine.update_params(self._engine_params(), version=step)
+                        t_sync = time.monotonic()
+                        self.engine.update_params(jax.block_until_ready(self._engine_params()), version=step)
+                        sync_s = time.monotonic() - t_sync
                         with self._step_cv:
                             self._trainer_step = step
                             self._step_cv.notify_all()
@@ -337,6 +339,7 @@ class Trainer:
                             trainer_wait_s=wait_s,
                             train_s=time.monotonic() - t_train,
                             rollout_s=batch.rollout_s,
+                            weight_sync_s=sync_s,  # the engine's copy (all hosts: a reshard over the slice)
                             **self.workers.stats.snapshot_and_reset(),
                         )
                         unwritten = metrics
