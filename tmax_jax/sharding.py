@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tmax_jax.errors import ConfigError
+from tmax_jax.launch import serial_launch
 
 MESH_AXES = ("data", "fsdp", "tensor")
 # Batch rows are split over both data-parallel axes; FSDP is data parallelism with sharded params.
@@ -179,7 +180,8 @@ def param_shardings(state, mesh: Mesh, cfg: MeshConfig = MeshConfig()):
 
 def shard_tree(tree, shardings):
     """Place (or reshard) every array of ``tree`` with the matching sharding."""
-    return jax.device_put(tree, shardings)
+    with serial_launch():  # a reshard runs collectives
+        return jax.device_put(tree, shardings)
 
 
 def optimizer_shardings(optimizer, opt_state, params_shardings, mesh: Mesh):
@@ -279,7 +281,6 @@ class ProcessReplicas:
 
     def __call__(self, params):
         """This process's copy of ``params`` (a new buffer: later donation of ``params`` is safe)."""
-        replicas = jax.device_put(params, self.replica_shardings)
 
         def local(src, replica, sharding):
             shards = [s.data for s in replica.addressable_shards]
@@ -287,4 +288,6 @@ class ProcessReplicas:
             # device_put may hand back the very same buffers when nothing moves; copy those.
             return out.copy() if replica is src else out
 
-        return jax.tree.map(local, params, replicas, self.local_shardings)
+        with serial_launch():  # the reshard runs collectives over all processes
+            replicas = jax.device_put(params, self.replica_shardings)
+            return jax.tree.map(local, params, replicas, self.local_shardings)

@@ -24,6 +24,7 @@ from tmax_jax.engine import sampling
 from tmax_jax.engine.engine_api import EngineAPI, ResultTokens
 from tmax_jax.engine.sampling import SamplingParams
 from tmax_jax.errors import ConfigError, TmaxError
+from tmax_jax.launch import serialized
 
 # Columns of ResultTokens.data.
 _TOKENS, _VALID, _LENGTHS = (0, 1), (1, 2), (2, 3)
@@ -146,11 +147,11 @@ class Engine(EngineAPI):
         # Trace counts per jitted function: a retrace is a recompile, so tests can assert none happen.
         self.trace_counts: collections.Counter[str] = collections.Counter()
         self._empty_prefix_cache = None
-        self._prefill_jit = jax.jit(self._prefill_impl)
-        self._generate_jit = jax.jit(self._generate_impl, donate_argnums=(1,))
-        self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(1,))
-        self._extract_jit = jax.jit(self._extract_impl)
-        self._deactivate_jit = jax.jit(self._deactivate_impl, donate_argnums=(0,))
+        self._prefill_jit = serialized(jax.jit(self._prefill_impl))
+        self._generate_jit = serialized(jax.jit(self._generate_impl, donate_argnums=(1,)))
+        self._insert_jit = serialized(jax.jit(self._insert_impl, donate_argnums=(1,)))
+        self._extract_jit = serialized(jax.jit(self._extract_impl))
+        self._deactivate_jit = serialized(jax.jit(self._deactivate_impl, donate_argnums=(0,)))
 
     # ----------------------------------------------------------------- properties (JetStream API)
     @property
@@ -245,10 +246,10 @@ class Engine(EngineAPI):
         def make(params):
             return nnx.merge(self._graphdef, params).init_cache(batch, self._max_len, dtype=self._cache_dtype)
 
-        return jax.jit(make)(self._params)
+        return serialized(jax.jit(make))(self._params)
 
     def init_decode_state(self, *args, **kwargs) -> DecodeState:
-        return jax.jit(self._init_decode_state_impl)(self._params)
+        return serialized(jax.jit(self._init_decode_state_impl))(self._params)
 
     def _init_decode_state_impl(self, params) -> DecodeState:
         s = self._slots

@@ -17,6 +17,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tmax_jax import sharding as shd
+from tmax_jax.launch import serial_launch
 from tmax_jax.rl.config import LossConfig, RLConfig
 from tmax_jax.rl.logprobs import token_logprobs
 from tmax_jax.rl.losses import combine_stats, finalize_stats, loss_normalizer, loss_terms
@@ -88,7 +89,8 @@ class TrainStep:
             params, self._params = self._params, None
         with jax.set_mesh(self.mesh):
             params = shd.shard_tree(params, self.param_shardings)
-            opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(params)
+            with serial_launch():
+                opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(params)
             replicated = NamedSharding(self.mesh, PartitionSpec())
             step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
             rng = jax.device_put(jax.random.PRNGKey(seed), replicated)
@@ -113,7 +115,7 @@ class TrainStep:
             batch = self.put_batch(batch)
         else:
             validate_batch(batch, rows_multiple=self.rows_multiple)
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.mesh), serial_launch():
             return self._jitted(state, dict(batch))
 
     # -- the step -----------------------------------------------------------------------------------

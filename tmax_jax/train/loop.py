@@ -38,6 +38,8 @@ from tmax_jax.agent.trajectory import write_jsonl
 from tmax_jax.data import DataConfig, PromptLoader
 from tmax_jax.distributed import allgather_json, any_process, barrier, is_primary, primary_first
 from tmax_jax.errors import ConfigError, TmaxError
+from tmax_jax.launch import serial_launch
+from tmax_jax.launch import stats as launch_stats
 from tmax_jax.rl.packing import pad_rows_across_processes
 from tmax_jax.train.config import TrainConfig
 from tmax_jax.train.metrics import MetricsWriter, progress_bar
@@ -190,7 +192,8 @@ class Trainer:
         """A copy of the current params for the engine (the train step donates its own); with
         several processes, this process's full copy (a collective: every process calls it)."""
         params = self.state.params
-        params = jax.tree.map(jnp.copy, params) if self.replicas is None else self.replicas(params)
+        with serial_launch():
+            params = jax.tree.map(jnp.copy, params) if self.replicas is None else self.replicas(params)
         if not as_state:
             return params
         return nnx.state(nnx.merge(self.train_step.graphdef, params, self.train_step.rest))
@@ -340,6 +343,8 @@ class Trainer:
                             train_s=time.monotonic() - t_train,
                             rollout_s=batch.rollout_s,
                             weight_sync_s=sync_s,  # the engine's copy (all hosts: a reshard over the slice)
+                            # waiting for the launch lock (tmax_jax.launch; 0 where it is off, e.g. CPU)
+                            launch_wait_s=launch_stats(reset=True)["launch_wait_s"],
                             **self.workers.stats.snapshot_and_reset(),
                         )
                         unwritten = metrics
