@@ -150,7 +150,12 @@ def pad_rows_pow2(batch: dict[str, np.ndarray], multiple: int) -> dict[str, np.n
     ``multiple``), so a run compiles its step for a few row counts only."""
     rows = batch["input_ids"].shape[0]
     target = max(multiple, 1 << max(rows - 1, 0).bit_length())
-    target = -(-target // multiple) * multiple
+    return _pad_rows_to(batch, -(-target // multiple) * multiple)
+
+
+def _pad_rows_to(batch: dict[str, np.ndarray], target: int) -> dict[str, np.ndarray]:
+    """``batch`` with empty rows appended up to ``target`` rows."""
+    rows = batch["input_ids"].shape[0]
     if target == rows:
         return batch
     return {k: np.pad(v, ((0, target - rows), (0, 0))) for k, v in batch.items()}
@@ -172,8 +177,4 @@ def pad_rows_across_processes(batch: dict[str, np.ndarray], rows_multiple: int) 
             f"{nproc} JAX processes: each must feed the same number of rows"
         )
     batch = pad_rows_pow2(batch, rows_multiple // nproc)
-    rows = batch["input_ids"].shape[0]
-    target = max(allgather_json(int(rows)))
-    if target == rows:
-        return batch
-    return {k: np.pad(v, ((0, target - rows), (0, 0))) for k, v in batch.items()}
+    return _pad_rows_to(batch, max(allgather_json(int(batch["input_ids"].shape[0]))))

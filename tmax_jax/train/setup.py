@@ -6,10 +6,10 @@ import os
 import sys
 from pathlib import Path
 
-import jax
 import yaml
 
 from tmax_jax.config import override, to_dict
+from tmax_jax.distributed import is_primary
 from tmax_jax.errors import ConfigError, TaskFormatError
 from tmax_jax.tasks import load_task
 from tmax_jax.tasks.loader import find_tasks
@@ -68,7 +68,7 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
                 f"{run_dir} holds a run with a different config (changed: {', '.join(changed)}); "
                 "use a new --run-dir or the same config to resume"
             )
-    if jax.process_index() == 0:  # the others of a pod only check (their distributed.process_id differs)
+    if is_primary():  # the others of a pod only check (their distributed.process_id differs)
         path.write_text(yaml.safe_dump(new, sort_keys=False))
     return run_dir
 
