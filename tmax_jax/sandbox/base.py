@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from tmax_jax.errors import SandboxError
@@ -26,6 +27,34 @@ BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 class EpisodeTimeout(SandboxError):
     """The sandbox's episode wall time is spent; nothing more may run in it."""
+
+
+# What a verifier sees of itself: a fixed PATH, a HOME and working directory the agent never wrote.
+VERIFIER_PATH = BASE_PATH
+VERIFIER_ENV = {
+    "PATH": VERIFIER_PATH,
+    "HOME": "/tests",
+    "LANG": "C.UTF-8",
+    "TERM": "dumb",
+    "USER": "root",
+    "PYTHONSAFEPATH": "1",
+    "PYTHONNOUSERSITE": "1",
+    "PYTHONDONTWRITEBYTECODE": "1",
+}
+
+
+@dataclass
+class VerifierRun:
+    """What ``Sandbox.run_verifier`` returns.
+
+    result: the verifier command's outcome. logs: the regular files the verifier left in its own
+    ``/logs/verifier`` (name -> bytes, read from where no agent process can reach). tampered: a reason
+    when the backend found the verifier's toolchain changed by the agent (then the reward is 0).
+    """
+
+    result: ExecResult
+    logs: dict[str, bytes]
+    tampered: str | None = None
 
 
 class Sandbox(abc.ABC):
@@ -299,6 +328,23 @@ class Sandbox(abc.ABC):
             self._run(
                 ["/bin/kill", "-9", *map(str, pids)], timeout=15, stdin=None, env=None, cwd="/", cap=1 << 16
             )
+
+    def run_verifier(
+        self,
+        tests_dir: Path,
+        argv: Sequence[str],
+        *,
+        timeout: float,
+        env: Mapping[str, str] | None = None,
+    ) -> VerifierRun:
+        """Run a verifier the agent cannot reach, over the agent's current filesystem and network.
+
+        ``tests_dir`` (a host directory) appears at ``/tests`` and an empty ``/logs/verifier`` is
+        created, both only in the verifier's own mount namespace; agent processes (which may still
+        be running, as services the tests talk to) can neither see them nor see or signal the
+        verifier's processes. ``argv`` runs with ``VERIFIER_ENV`` (plus ``env``) in ``/tests``.
+        """
+        raise SandboxError(f"the {self.backend} backend cannot run an isolated verifier")
 
     def _on_kill_shell(self, session) -> None:
         """Kill a whole shell session inside the sandbox (backends with container-side processes)."""
