@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tmax_jax.errors import ConfigError
+from tmax_jax.kernels.dispatch import KERNEL_CHOICES
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -44,6 +45,8 @@ class Qwen35Config:
     hidden_act: str = "silu"
     initializer_range: float = 0.02
     chunk_size: int = 64
+    # Runtime choice, not an HF field: the delta rule's implementation (tmax_jax.kernels.dispatch).
+    kernels: str = "auto"
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -85,6 +88,8 @@ class Qwen35Config:
             raise ConfigError(
                 f"head_dim * partial_rotary_factor = {self.rotary_dim} must be even and <= head_dim={self.head_dim}"
             )
+        if self.kernels not in KERNEL_CHOICES:
+            raise ConfigError(f"kernels={self.kernels!r}; expected one of {list(KERNEL_CHOICES)}")
         _ = self.layer_pattern  # raises when layer_types is not periodic
 
     # Derived sizes -------------------------------------------------------------------------------
@@ -178,6 +183,7 @@ class Qwen35Config:
             if isinstance(kwargs.get(key), list):
                 kwargs[key] = kwargs[key][0] if kwargs[key] else None
         kwargs.pop("chunk_size", None)
+        kwargs.pop("kernels", None)  # runtime choices are never read from a checkpoint
         return cls(**kwargs)
 
     def to_hf_config(self) -> dict[str, Any]:

@@ -7,8 +7,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tmax_jax.kernels import chunked_gated_delta_rule
 from tmax_jax.models.qwen35.config import Qwen35Config
-from tmax_jax.models.qwen35.delta_rule import chunked_gated_delta_rule, recurrent_gated_delta_rule
+from tmax_jax.models.qwen35.delta_rule import recurrent_gated_delta_rule
 from tmax_jax.models.qwen35.norms import gated_rms_norm
 from tmax_jax.models.qwen35.params import constant, log_uniform, make_param, normal
 
@@ -46,6 +47,7 @@ class GatedDeltaNet(nnx.Module):
         self.kernel = cfg.linear_conv_kernel_dim
         self.eps = cfg.rms_norm_eps
         self.chunk_size = cfg.chunk_size
+        self.kernels = cfg.kernels
         self.in_proj_qkv = make_param(rngs, init, (D, cfg.conv_dim), ("embed", "lin_dim"), param_dtype, stack)
         self.in_proj_z = make_param(
             rngs, init, (D, cfg.lin_value_dim), ("embed", "lin_dim"), param_dtype, stack
@@ -131,6 +133,7 @@ class GatedDeltaNet(nnx.Module):
                 None if state is None else rec_state,
                 groups_BxT if state is None else None,
                 chunk_size=self.chunk_size,
+                kernels=self.kernels,
             )
         if state is not None:
             new_state = (new_conv, s_final.astype(f32))
