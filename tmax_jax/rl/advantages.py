@@ -38,24 +38,51 @@ class GroupAdvantages:
         }
 
 
+class NonFiniteAdvantageError(ConfigError):
+    """A reward or advantage that is inf or NaN: one such value would poison the whole update."""
+
+
+def _describe(i: int, gids: list, names: Sequence[str] | None) -> str:
+    who = f"trajectory {i}"
+    if names is not None:
+        who += f" (task {names[i]!r})"
+    return f"{who} of group {gids[i]!r}"
+
+
+def _check_finite(values: np.ndarray, what: str, gids: list, names: Sequence[str] | None) -> None:
+    bad = np.flatnonzero(~np.isfinite(values))
+    if bad.size:
+        listed = "; ".join(f"{_describe(int(i), gids, names)}: {float(values[i])}" for i in bad[:4])
+        more = f" (and {bad.size - 4} more)" if bad.size > 4 else ""
+        raise NonFiniteAdvantageError(
+            f"non-finite {what} for {listed}{more}; a reward must be one finite number in [0, 1] "
+            "(tmax_jax.tasks.reward.parse_reward)"
+        )
+
+
 def group_advantages(
     rewards: Sequence[float] | np.ndarray,
     group_ids: Sequence | np.ndarray,
     cfg: AdvantageConfig = AdvantageConfig(),
+    names: Sequence[str] | None = None,
 ) -> GroupAdvantages:
     """``A_i = R_i - mean_{j in group(i)} R_j`` (``mode="centered"``), divided by the group's std when
     ``mode="std"``. Groups whose rewards are all equal get ``keep=False`` (and advantage 0).
 
-    ``rewards``: [N] floats; ``group_ids``: [N] hashable ids (one id per prompt; its samples share it).
+    ``rewards``: [N] floats; ``group_ids``: [N] hashable ids (one id per prompt; its samples share it);
+    ``names``: [N] task names, for error messages. A non-finite reward, or a finite one so large that
+    its advantage is not finite in float32 (``1e308``: the group mean overflows), raises
+    ``NonFiniteAdvantageError`` naming the trajectory, its task and group.
     """
     r = np.asarray(rewards, dtype=np.float64)
     if r.ndim != 1:
         raise ConfigError(f"rewards must be 1-D [N], got shape {r.shape}")
-    if not np.all(np.isfinite(r)):
-        raise ConfigError(f"rewards must be finite, got {r[~np.isfinite(r)][:4].tolist()}")
     gids = list(group_ids)
     if len(gids) != r.shape[0]:
         raise ConfigError(f"group_ids has {len(gids)} entries but rewards has {r.shape[0]}")
+    if names is not None and len(names) != r.shape[0]:
+        raise ConfigError(f"names has {len(names)} entries but rewards has {r.shape[0]}")
+    _check_finite(r, "reward", gids, names)
     if cfg.mode not in ("centered", "std"):
         raise ConfigError(f"advantage.mode must be 'centered' or 'std', got {cfg.mode!r}")
 
@@ -78,12 +105,16 @@ def group_advantages(
                 dropped.append(g)
                 keep[idx] = False
             continue
-        centred = rg - rg.mean()
-        if cfg.mode == "std":
-            centred = centred / (rg.std() + cfg.std_eps)
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is caught just below, by name
+            centred = rg - rg.mean()
+            if cfg.mode == "std":
+                centred = centred / (rg.std() + cfg.std_eps)
         adv[idx] = centred
+    with np.errstate(over="ignore"):
+        adv32 = adv.astype(np.float32)
+    _check_finite(adv32, "advantage", gids, names)
     return GroupAdvantages(
-        advantages=adv.astype(np.float32),
+        advantages=adv32,
         keep=keep,
         dropped_groups=tuple(dropped),
         zero_pass_groups=tuple(zero_pass),
