@@ -1,23 +1,190 @@
 """Podman backend: one long-lived container per sandbox (``sleep infinity``), ``podman exec`` per command.
 
-Flags that matter on these machines: ``--runtime runc`` (crun fails on hybrid cgroups), explicit
-``--ulimit nofile/nproc`` (runc cannot raise the defaults here), ``--network none``, and
-``--pids-limit``/``--memory``/``--cpus`` from the config. Container-side processes are not our
-children, so each command carries a ``TMAX_EXEC_ID`` in its environment and a kill finds them by it.
+Isolation (rootful podman, runc): the container has its own user namespace (``--uidmap`` of root to
+host uid 100000 and up, so container root owns nothing on the host), Docker's default capabilities
+only (``--cap-drop=ALL`` then ``--cap-add``, inside that namespace), ``no-new-privileges``, and a
+seccomp profile made from podman's default with mount/umount, ptrace, the keyring, bpf,
+perf_event_open, io_uring, setns/unshare and namespace flags of clone, kexec, module loading and
+file handles denied (``seccomp_profile``). podman keeps ``/proc/sys`` read-only and masks
+``/proc/keys`` and friends; pid 1 starts with the image's environment only; ``/dev`` and ``/dev/shm``
+are size-limited tmpfs; pids/memory/CPU limits per container; ``RLIMIT_FSIZE`` caps one file at
+``disk_mb``. ``close`` removes the container, which kills every process in its PID namespace.
+Not isolated: the writable root filesystem's total size (an overlay on the host disk, as under
+Docker), and loopback/abstract sockets between the agent and the verifier (they share a network
+namespace on purpose).
+
+Verification (``run_verifier``): a second container, started for it, with its own PID, mount, IPC and
+user namespace and cgroup, the agent's network namespace (``--network container:<agent>``: services
+the agent left running answer), and the agent's live root filesystem as its root (``--rootfs`` on the
+overlay's merged dir, so the agent's files are seen as they are). ``/tests`` (a private copy of the
+task's tests, writable like Harbor's) and ``/logs/verifier`` (an empty host dir) are bind mounts of
+that container only; the reward files are read from the host dir. Agent processes keep running and
+may still rewrite their own files while the tests run, as under Docker, but cannot see or signal
+the verifier's processes nor reach its ``/tests`` and ``/logs/verifier``. The verifier starts with
+``VERIFIER_ENV`` (fixed PATH, ``HOME=/tests``, isolated Python start-up) in ``/tests``.
+
+Toolchain tampering is detected, not prevented (the agent's root filesystem is writable, as under
+Docker, and the verifier must see what the agent installed): ``podman_toolchain`` scans the
+overlay's upper dir before and after the verifier and watches its toolchain dirs with inotify while
+it runs; any change to the interpreter, bash, pytest, site customisation, loader configuration or
+the commands on the verifier's PATH sets ``VerifierRun.tampered`` (scored 0 by the runner).
+
+Other flags that matter on these machines: ``--runtime runc`` (crun fails on hybrid cgroups) and
+explicit ``--ulimit nofile/nproc`` (runc cannot raise the defaults here). Container-side processes
+are not our children, so each command carries a ``TMAX_EXEC_ID`` in its environment and a kill finds
+them by it.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
+import math
 import os
+import shutil
 import signal
+import stat
 import subprocess
+import tempfile
 import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from tmax_jax.errors import SandboxError
-from tmax_jax.sandbox.base import Sandbox
-from tmax_jax.sandbox.config import SandboxConfig
+from tmax_jax.sandbox import podman_toolchain
+from tmax_jax.sandbox.base import VERIFIER_ENV, Sandbox, VerifierRun
+from tmax_jax.sandbox.config import ExecResult, SandboxConfig
 from tmax_jax.sandbox.podman_images import PodmanImage, ensure_base_image
-from tmax_jax.sandbox.procs import kill_tree
+from tmax_jax.sandbox.procs import TRUNCATION_MARKER, kill_tree, run_capped
+
+# Container uid/gid 0..65535 are host ids 100000..165535: no host file or process belongs to them.
+ID_BASE = 100000
+ID_COUNT = 65536
+DOCKER_CAPS = (
+    "CHOWN",
+    "DAC_OVERRIDE",
+    "FOWNER",
+    "FSETID",
+    "KILL",
+    "SETGID",
+    "SETUID",
+    "SETPCAP",
+    "NET_BIND_SERVICE",
+    "NET_RAW",
+    "SYS_CHROOT",
+    "MKNOD",
+    "AUDIT_WRITE",
+    "SETFCAP",
+)
+SECCOMP_DENY = (
+    "mount",
+    "umount",
+    "umount2",
+    "move_mount",
+    "open_tree",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
+    "mount_setattr",
+    "pivot_root",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "process_madvise",
+    "kcmp",
+    "pidfd_getfd",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "bpf",
+    "perf_event_open",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "setns",
+    "unshare",
+    "kexec_load",
+    "kexec_file_load",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "open_by_handle_at",
+    "name_to_handle_at",
+    "userfaultfd",
+    "fanotify_init",
+    "lookup_dcookie",
+    "quotactl",
+    "quotactl_fd",
+    "syslog",
+    "acct",
+    "swapon",
+    "swapoff",
+    "reboot",
+)
+# clone(2) flags that make namespaces; clone3 cannot be filtered by its flags (they are in memory),
+# so it fails with ENOSYS and glibc falls back to clone.
+_CLONE_NS_FLAGS = 0x7E020000
+PODMAN_SECCOMP = Path("/usr/share/containers/seccomp.json")
+SHM_MB = 64
+VERIFY_LOG_CAP = 4 << 20
+
+
+def _tighten(base: dict) -> dict:
+    deny = set(SECCOMP_DENY) | {"clone", "clone3"}
+    rules = []
+    for rule in base.get("syscalls", []):
+        names = [n for n in rule.get("names", []) if n not in deny]
+        if names:
+            rules.append({**rule, "names": names})
+    rules.append({"names": sorted(SECCOMP_DENY), "action": "SCMP_ACT_ERRNO", "errnoRet": 1})
+    rules.append(
+        {
+            "names": ["clone"],
+            "action": "SCMP_ACT_ALLOW",
+            "args": [{"index": 0, "value": _CLONE_NS_FLAGS, "valueTwo": 0, "op": "SCMP_CMP_MASKED_EQ"}],
+        }
+    )
+    rules.append({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38})
+    return {**base, "syscalls": rules}
+
+
+def seccomp_profile(cache_dir: str | os.PathLike) -> Path:
+    """Our seccomp profile (podman's default, tightened), written once per content under
+    ``<cache_dir>/podman/`` (a lock and an atomic rename: concurrent starters never read half a file)."""
+    if not PODMAN_SECCOMP.is_file():
+        raise SandboxError(f"podman's default seccomp profile {PODMAN_SECCOMP} is missing; cannot build ours")
+    data = json.dumps(_tighten(json.loads(PODMAN_SECCOMP.read_text())), indent=1, sort_keys=True).encode()
+    out_dir = Path(cache_dir) / "podman"
+    out = out_dir / f"seccomp-{hashlib.sha256(data).hexdigest()[:16]}.json"
+    if out.is_file() and out.read_bytes() == data:
+        return out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / ".seccomp.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out.is_file() and out.read_bytes() == data):
+            fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".seccomp-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, out)
+    return out
+
+
+def security_args(cfg: SandboxConfig) -> list[str]:
+    """The flags both the agent's and the verifier's containers run with."""
+    return [
+        "--runtime", cfg.podman_runtime,
+        f"--uidmap=0:{ID_BASE}:{ID_COUNT}", f"--gidmap=0:{ID_BASE}:{ID_COUNT}",
+        "--cap-drop=ALL", f"--cap-add={','.join(DOCKER_CAPS)}",
+        "--security-opt=no-new-privileges",
+        f"--security-opt=seccomp={seccomp_profile(cfg.cache_dir)}",
+        f"--ulimit=nofile={cfg.nofile}:{cfg.nofile}", "--ulimit=nproc=4096:4096",
+        f"--ulimit=fsize={cfg.disk_mb << 20}:{cfg.disk_mb << 20}",
+        f"--pids-limit={cfg.pids_max}", f"--memory={cfg.memory_mb}m", f"--memory-swap={cfg.memory_mb}m",
+        f"--cpus={cfg.cpus}", f"--shm-size={SHM_MB}m",
+    ]  # fmt: skip
 
 
 def _pids_with_env(marker: str) -> list[int]:
@@ -35,6 +202,33 @@ def _pids_with_env(marker: str) -> list[int]:
     return out
 
 
+def _chown_tree(root: Path, uid: int, gid: int) -> None:
+    os.lchown(root, uid, gid)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            os.lchown(os.path.join(dirpath, n), uid, gid)
+
+
+def _read_logs(logs: Path) -> dict[str, bytes]:
+    """The regular files the verifier left (links, fifos and devices it may have made are skipped)."""
+    out: dict[str, bytes] = {}
+    try:
+        names = sorted(os.listdir(logs))
+    except OSError:
+        return out
+    for name in names:
+        p = logs / name
+        try:
+            if not stat.S_ISREG(os.lstat(p).st_mode):
+                continue
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        with os.fdopen(fd, "rb") as f:
+            out[name] = f.read(VERIFY_LOG_CAP)
+    return out
+
+
 class PodmanSandbox(Sandbox):
     backend = "podman"
 
@@ -44,6 +238,8 @@ class PodmanSandbox(Sandbox):
         super().__init__(cfg, env=None, workdir=(image.workdir if image else None))
         self.image = image
         self.name = f"tmax-{self.id}"
+        self._layers: tuple[str, str, list[str]] | None = None
+        self._verifies = 0
 
     def _owner_extra(self) -> dict:
         return {"container": self.name}
@@ -54,23 +250,23 @@ class PodmanSandbox(Sandbox):
         args = [
             "podman", "run", "-d", "--name", self.name,
             "--label", f"tmax-jax.owner={os.getpid()}",
-            "--runtime", cfg.podman_runtime,
+            *security_args(cfg),
             "--network", "slirp4netns" if cfg.network else "none",
-            f"--ulimit=nofile={cfg.nofile}:{cfg.nofile}", "--ulimit=nproc=4096:4096",
-            f"--pids-limit={cfg.pids_max}", f"--memory={cfg.memory_mb}m", f"--memory-swap={cfg.memory_mb}m",
-            f"--cpus={cfg.cpus}", "--tmpfs", f"/tmp:rw,size={cfg.disk_mb}m,mode=1777",
-            "--hostname", "tmax-sandbox", "--security-opt", "no-new-privileges",
+            "--hostname", "tmax-sandbox",
             "--init",  # catatonit as pid 1 reaps what a kill orphans
         ]  # fmt: skip
         if cfg.podman_read_only:
-            args.append("--read-only")
+            # podman's own read-only tmpfs have no size: mount sized ones instead.
+            args += ["--read-only", "--read-only-tmpfs=false"]
+            for p in ("/tmp", "/var/tmp", "/run"):
+                args += ["--tmpfs", f"{p}:rw,size={cfg.disk_mb}m,mode=1777"]
+        # /tmp stays on the root filesystem (as under Docker) so that the verifier sees it too.
         args += [tag, "sleep", "infinity"]
         r = subprocess.run(args, capture_output=True, text=True, timeout=300)
         if r.returncode != 0:
             raise SandboxError(f"podman run failed: {r.stderr.strip()[-800:]}")
-        mk = " ".join(sorted({self.workdir, "/logs", "/tests"}))
         r = subprocess.run(
-            ["podman", "exec", self.name, "mkdir", "-p", *mk.split()],
+            ["podman", "exec", self.name, "mkdir", "-p", self.workdir],
             capture_output=True,
             text=True,
             timeout=120,
@@ -121,6 +317,91 @@ class PodmanSandbox(Sandbox):
         except Exception:  # noqa: BLE001 - the container may be gone already
             self._on_kill(session.proc)
 
+    # ---- verification ----------------------------------------------------------------------------
+    def layers(self) -> tuple[str, str, list[str]]:
+        """(merged dir, upper dir, image layer dirs) of the agent container's overlay, on the host."""
+        if self._layers is None:
+            fmt = "{{.GraphDriver.Name}}\n{{.GraphDriver.Data.MergedDir}}\n{{.GraphDriver.Data.UpperDir}}\n{{.GraphDriver.Data.LowerDir}}"
+            r = subprocess.run(
+                ["podman", "inspect", "-f", fmt, self.name], capture_output=True, text=True, timeout=60
+            )
+            lines = r.stdout.split("\n")
+            if r.returncode != 0 or len(lines) < 4 or lines[0] != "overlay" or not lines[1] or not lines[2]:
+                raise SandboxError(
+                    f"podman sandbox {self.name}: cannot verify without an overlay root filesystem "
+                    f"(driver {lines[0] if lines else '?'!r}): {r.stderr.strip()[-300:]}"
+                )
+            self._layers = (lines[1], lines[2], podman_toolchain.lower_dirs(lines[3]))
+        return self._layers
+
+    def run_verifier(
+        self,
+        tests_dir: Path,
+        argv: Sequence[str],
+        *,
+        timeout: float,
+        env: Mapping[str, str] | None = None,
+    ) -> VerifierRun:
+        tests_dir = Path(tests_dir)
+        if not tests_dir.is_dir():
+            raise SandboxError(f"run_verifier: tests dir {tests_dir} is not a directory")
+        if not argv:
+            raise SandboxError("run_verifier: empty command")
+        limit = self.clamp_timeout(timeout)
+        merged, upper, lowers = self.layers()
+        self._verifies += 1
+        vname = f"{self.name}-verify-{self._verifies}"
+        vdir = self.run_dir / f"verify-{self._verifies}"
+        tests, logs = vdir / "tests", vdir / "logs"
+        shutil.copytree(tests_dir, tests, symlinks=True)
+        logs.mkdir()
+        # Owned by the container's root (a mapped uid), so that the verifier may write both.
+        _chown_tree(vdir, ID_BASE, ID_BASE)
+        watch = podman_toolchain.Watch(upper).start()
+        try:
+            tampered = podman_toolchain.scan(upper, lowers)
+            if tampered:
+                return VerifierRun(ExecResult("", f"verifier not run: {tampered}\n", 1), {}, tampered)
+            result = self._run_verifier_container(vname, merged, tests, logs, argv, env, limit)
+        finally:
+            tampered = watch.stop()
+        tampered = tampered or podman_toolchain.scan(upper, lowers)
+        out = _read_logs(logs)
+        shutil.rmtree(vdir, ignore_errors=True)
+        return VerifierRun(result, out, tampered)
+
+    def _run_verifier_container(self, vname, merged, tests, logs, argv, env, limit) -> ExecResult:
+        full_env = {**VERIFIER_ENV, **(env or {})}
+        args = [
+            "podman", "run", "--rm", "--name", vname,
+            "--label", f"tmax-jax.owner={os.getpid()}",
+            *security_args(self.cfg),
+            "--network", f"container:{self.name}",
+            "--hostname", "tmax-sandbox",
+            # A hard stop that holds even if this process dies mid-verification.
+            f"--timeout={math.ceil(limit) + 30}",
+            "-v", f"{tests}:/tests", "-v", f"{logs}:/logs/verifier",
+            "-w", "/tests",
+        ]  # fmt: skip
+        for k, v in full_env.items():
+            args += ["-e", f"{k}={v}"]
+        args += ["--rootfs", merged, *argv]
+
+        def kill(_proc) -> None:
+            subprocess.run(["podman", "rm", "-f", "-i", "-t", "0", vname], capture_output=True, timeout=60)
+
+        cap = self.cfg.max_output_bytes
+        got = run_capped(args, timeout=limit, cap=cap, on_kill=kill)
+        self.exec_durations.append(got.duration_s)
+        if got.timed_out or got.truncated:
+            kill(None)
+        out = got.stdout.decode("utf-8", "replace")
+        err = got.stderr.decode("utf-8", "replace")
+        if got.truncated:
+            err += TRUNCATION_MARKER.format(cap=cap)
+        return ExecResult(out, err, got.exit_code, got.timed_out, got.truncated, got.duration_s)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
     def _alive(self) -> bool:
         r = subprocess.run(
             ["podman", "inspect", "-f", "{{.State.Running}}", self.name],
@@ -131,4 +412,10 @@ class PodmanSandbox(Sandbox):
         return r.returncode == 0 and r.stdout.strip() == "true"
 
     def _close(self) -> None:
-        subprocess.run(["podman", "rm", "-f", "-t", "0", self.name], capture_output=True, timeout=120)
+        names = [self.name] + [f"{self.name}-verify-{i}" for i in range(1, self._verifies + 1)]
+        for _ in range(2):
+            r = subprocess.run(
+                ["podman", "rm", "-f", "-i", "-t", "0", *names], capture_output=True, timeout=120
+            )
+            if r.returncode == 0:
+                break

@@ -1,0 +1,388 @@
+"""Has the agent changed the verifier's toolchain? Checks of a podman container's overlay upper dir.
+
+Under podman the agent's root filesystem is a writable overlay (as under Docker) and the verifier runs
+on that same filesystem, so the agent could swap what the verifier starts: the interpreter, bash,
+pytest and its plugins, ``.pth``/``sitecustomize`` start-up code, the dynamic loader's configuration,
+a command earlier on the verifier's fixed PATH, a ``/conftest.py`` or ``/pytest.ini`` above
+``/tests``. Every change the agent makes lands in the overlay's upper dir, read here on the host:
+
+- ``scan(upper, lowers)``: the toolchain changes the upper dir holds now. A changed or deleted image
+  file cannot be undone from inside (copy-up and whiteouts stay), so a scan after the verifier sees
+  whatever was done before or during it, except a file that is new, planted and removed again.
+- ``Watch``: inotify over the toolchain dirs of the upper dir while the verifier runs; any change
+  there (the plant-and-remove case) counts as tampering.
+
+What is allowed: new commands that shadow nothing, new Python packages that are not pytest, its
+dependencies or start-up hooks, new libraries (the loader only finds them through its configuration,
+which is protected), anything outside these dirs. A verifier that itself writes into these dirs (a
+``pip install`` into the system site-packages) is reported too: tests install into ``/tests``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import re
+import select
+import stat
+import struct
+import threading
+from pathlib import Path
+
+PATH_DIRS = ("usr/local/sbin", "usr/local/bin", "usr/sbin", "usr/bin", "sbin", "bin")
+# Dirs on the way to the toolchain: replacing or renaming one swaps everything below it.
+SPINE = (
+    "usr",
+    "usr/local",
+    "usr/lib",
+    "usr/local/lib",
+    "usr/lib64",
+    "usr/local/lib64",
+    "etc",
+    "lib",
+    "lib64",
+)
+ROOT_CONFIGS = frozenset(
+    {"conftest.py", "pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg"}
+)
+# Imported by ``python3 -m pytest`` or at interpreter start-up, from the site dirs.
+PROTECTED_MODULES = frozenset(
+    {
+        "pytest",
+        "_pytest",
+        "py",
+        "pluggy",
+        "iniconfig",
+        "packaging",
+        "pygments",
+        "exceptiongroup",
+        "tomli",
+        "colorama",
+        "sitecustomize",
+        "usercustomize",
+        "_distutils_hack",
+    }
+)
+_PY_TREE = re.compile(r"^(?:usr/(?:local/)?)?lib(?:64)?/python\d[^/]*")
+_LIB_DIR = re.compile(r"(?:usr/)?lib(?:64)?(?:/[^/]+-linux-gnu[^/]*)?|usr/local/lib")
+_ETC = re.compile(r"^etc/(?:ld\.so\.(?:preload|conf|cache|conf\.d)|python\d[^/]*)(?:/|$)")
+_SITE = ("site-packages", "dist-packages")
+
+
+def _rel_parts(rel: str) -> list[str]:
+    return rel.split("/") if rel else []
+
+
+def _entry_kind(path: str) -> str:
+    """'whiteout', 'opaque' (a dir that hides the image's), 'redirect' (a renamed dir), 'dir', 'file'."""
+    st = os.lstat(path)
+    if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+        return "whiteout"
+    if not stat.S_ISDIR(st.st_mode):
+        return "file"
+    for ns in ("trusted", "user"):
+        for attr, kind in (("opaque", "opaque"), ("redirect", "redirect")):
+            try:
+                val = os.getxattr(path, f"{ns}.overlay.{attr}", follow_symlinks=False)
+            except OSError:
+                continue
+            if kind == "redirect" or val.strip(b"\0") == b"y":
+                return kind
+    return "dir"
+
+
+def _read_small(path: str, limit: int = 1 << 20) -> bytes:
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            return b""
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return b""
+    try:
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
+
+
+class _Image:
+    def __init__(self, lowers: list[str]):
+        self.lowers = [lo for lo in lowers if lo]
+        self._cmds: set[str] | None = None
+
+    def has(self, rel: str) -> bool:
+        return any(os.path.lexists(os.path.join(lo, rel)) for lo in self.lowers)
+
+    def commands(self) -> set[str]:
+        if self._cmds is None:
+            self._cmds = set()
+            for lo in self.lowers:
+                for d in PATH_DIRS:
+                    try:
+                        self._cmds.update(os.listdir(os.path.join(lo, d)))
+                    except OSError:
+                        pass
+        return self._cmds
+
+
+def _path_dir_of(rel: str) -> str | None:
+    for d in PATH_DIRS:
+        if rel.startswith(d + "/") and "/" not in rel[len(d) + 1 :]:
+            return d
+    return None
+
+
+def _site_rest(rel: str) -> str | None:
+    """The path inside a Python site dir ('' for the site dir itself), None outside any."""
+    m = _PY_TREE.match(rel)
+    if not m:
+        return None
+    parts = _rel_parts(rel[m.end() :].lstrip("/"))
+    if parts and parts[0] in _SITE:
+        return "/".join(parts[1:])
+    return None
+
+
+def _module_stem(name: str) -> str:
+    return name.split(".", 1)[0].split("-", 1)[0]
+
+
+def protected(rel: str, is_dir: bool = False) -> bool:
+    """Any change at ``rel`` while the verifier runs counts as tampering.
+
+    The dirs on the way (``usr``, ``usr/bin``, ...) are not: writing anywhere below one copies it
+    up, and removing or replacing one leaves a whiteout or an opaque dir that ``scan`` reports.
+    """
+    if rel in ROOT_CONFIGS:
+        return True
+    if rel in SPINE or rel in PATH_DIRS or _LIB_DIR.fullmatch(rel):
+        return False
+    if _path_dir_of(rel) or _PY_TREE.match(rel) or _ETC.match(rel):
+        return True
+    parent = rel.rsplit("/", 1)[0] if "/" in rel else ""
+    return not is_dir and bool(_LIB_DIR.fullmatch(parent))
+
+
+def _static_reason(rel: str, kind: str, full: str, image: _Image) -> str | None:
+    where = "/" + rel
+    if rel in ROOT_CONFIGS:
+        return f"{where} was written (pytest reads it above /tests)"
+    if _ETC.match(rel):
+        return f"{where} was changed (dynamic loader or Python start-up configuration)"
+    dir_like = (
+        rel in SPINE
+        or rel in PATH_DIRS
+        or _LIB_DIR.fullmatch(rel) is not None
+        or _PY_TREE.fullmatch(rel) is not None
+        or _site_rest(rel) == ""
+    )
+    if dir_like:
+        return None if kind == "dir" else f"{where} was replaced, renamed or removed ({kind})"
+    pdir = _path_dir_of(rel)
+    if pdir:
+        name = rel.rsplit("/", 1)[1]
+        if image.has(rel):
+            return f"{where} (a command of the image) was {'removed' if kind == 'whiteout' else 'changed'}"
+        if kind != "whiteout" and name in image.commands():
+            return f"{where} shadows the image's {name!r} on the verifier's PATH"
+        if name == "pyvenv.cfg" or name.endswith("._pth"):
+            return f"{where} redirects the Python interpreter's prefix"
+        return None
+    site = _site_rest(rel)
+    if site is not None:
+        parts = _rel_parts(site)
+        top = parts[0]
+        if top == "__pycache__" and len(parts) > 1:
+            top = parts[1]
+        if _module_stem(top) in PROTECTED_MODULES:
+            return f"{where} changes a module the verifier's Python or pytest loads"
+        if top.endswith(".pth"):
+            return f"{where} is start-up code for every Python process"
+        if (top.endswith((".dist-info", ".egg-info"))) and len(parts) == 2 and parts[1] == "entry_points.txt":
+            if b"pytest11" in _read_small(full):
+                return f"{where} registers a pytest plugin"
+        return None
+    m = _PY_TREE.match(rel)
+    if m:
+        return f"{where} is in the Python standard library"
+    if "/" in rel and kind != "dir":
+        parent = rel.rsplit("/", 1)[0]
+        if _LIB_DIR.fullmatch(parent) and (kind == "whiteout" or image.has(rel)):
+            return f"{where} (a library of the image) was {'removed' if kind == 'whiteout' else 'changed'}"
+    return None
+
+
+def _descend(rel: str) -> bool:
+    if rel == "" or rel in SPINE or rel in PATH_DIRS or _PY_TREE.match(rel) or _ETC.match(rel):
+        return True
+    return _LIB_DIR.fullmatch(rel) is not None
+
+
+def scan(upper: str | os.PathLike, lowers: list[str]) -> str | None:
+    """The first toolchain change found in the upper dir ``upper`` (None: none)."""
+    upper = str(upper)
+    image = _Image(lowers)
+    todo = [""]
+    while todo:
+        rel = todo.pop()
+        try:
+            names = sorted(os.listdir(os.path.join(upper, rel)))
+        except OSError:
+            continue
+        for name in names:
+            child = f"{rel}/{name}" if rel else name
+            full = os.path.join(upper, child)
+            try:
+                kind = _entry_kind(full)
+            except OSError:
+                continue
+            reason = _static_reason(child, kind, full, image)
+            if reason:
+                return reason
+            if kind in ("dir", "opaque", "redirect") and _descend(child):
+                todo.append(child)
+    return None
+
+
+# ---- inotify -------------------------------------------------------------------------------------
+_IN_MODIFY, _IN_ATTRIB, _IN_CLOSE_WRITE = 0x2, 0x4, 0x8
+_IN_MOVED_FROM, _IN_MOVED_TO, _IN_CREATE, _IN_DELETE = 0x40, 0x80, 0x100, 0x200
+_IN_DELETE_SELF, _IN_MOVE_SELF, _IN_Q_OVERFLOW, _IN_IGNORED, _IN_ISDIR = (
+    0x400,
+    0x800,
+    0x4000,
+    0x8000,
+    0x40000000,
+)
+_IN_ONLYDIR, _IN_DONT_FOLLOW = 0x01000000, 0x02000000
+_MASK = (
+    _IN_MODIFY
+    | _IN_ATTRIB
+    | _IN_CLOSE_WRITE
+    | _IN_MOVED_FROM
+    | _IN_MOVED_TO
+    | _IN_CREATE
+    | _IN_DELETE
+    | _IN_DELETE_SELF
+    | _IN_MOVE_SELF
+    | _IN_ONLYDIR
+    | _IN_DONT_FOLLOW
+)
+_EVENT = struct.Struct("iIII")
+_libc = None
+
+
+def _lib():
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc
+
+
+class Watch:
+    """Records changes to the toolchain dirs of an upper dir from ``start()`` to ``stop()``.
+
+    ``stop()`` returns the first change found (a reason) or None. Dirs that appear while watching
+    are watched from then on and their content checked, so a dir made and filled between two reads
+    is still seen.
+    """
+
+    def __init__(self, upper: str | os.PathLike):
+        self.upper = str(upper)
+        self._wd: dict[int, str] = {}
+        self._reason: str | None = None
+        self._fd = -1
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _flag(self, reason: str) -> None:
+        if self._reason is None:
+            self._reason = reason
+
+    def _add(self, rel: str, appeared: bool) -> None:
+        full = os.path.join(self.upper, rel) if rel else self.upper
+        wd = _lib().inotify_add_watch(self._fd, os.fsencode(full), _MASK)
+        if wd < 0:
+            err = ctypes.get_errno()
+            if err in (errno.ENOENT, errno.ENOTDIR):
+                return
+            self._flag(f"cannot watch /{rel} for changes during verification: {os.strerror(err)}")
+            return
+        self._wd[wd] = rel
+        try:
+            names = os.listdir(full)
+        except OSError:
+            return
+        for name in names:
+            child = f"{rel}/{name}" if rel else name
+            if appeared and protected(child, os.path.isdir(os.path.join(self.upper, child))):
+                self._flag(f"/{child} appeared while the verifier ran")
+            if _descend(child) and os.path.isdir(os.path.join(self.upper, child)):
+                if not os.path.islink(os.path.join(self.upper, child)):
+                    self._add(child, appeared)
+
+    def start(self) -> Watch:
+        self._fd = _lib().inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self._fd < 0:
+            self._flag(f"inotify is unavailable: {os.strerror(ctypes.get_errno())}")
+            return self
+        self._add("", appeared=False)
+        self._thread = threading.Thread(target=self._loop, name="tmax-toolchain-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def _read(self) -> bool:
+        try:
+            buf = os.read(self._fd, 1 << 16)
+        except BlockingIOError:
+            return False
+        i = 0
+        while i + _EVENT.size <= len(buf):
+            wd, mask, _cookie, n = _EVENT.unpack_from(buf, i)
+            name = buf[i + _EVENT.size : i + _EVENT.size + n].rstrip(b"\0").decode(errors="replace")
+            i += _EVENT.size + n
+            self._event(wd, mask, name)
+        return True
+
+    def _event(self, wd: int, mask: int, name: str) -> None:
+        if mask & _IN_Q_OVERFLOW:
+            self._flag("too many filesystem changes during verification to check them")
+            return
+        if mask & _IN_IGNORED:
+            self._wd.pop(wd, None)
+            return
+        base = self._wd.get(wd)
+        if base is None:
+            return
+        if not name:
+            if mask & (_IN_DELETE_SELF | _IN_MOVE_SELF) and protected(base, True):
+                self._flag(f"/{base} was removed or moved while the verifier ran")
+            return
+        rel = f"{base}/{name}" if base else name
+        if protected(rel, bool(mask & _IN_ISDIR)):
+            self._flag(f"/{rel} changed while the verifier ran")
+        if mask & _IN_ISDIR and mask & (_IN_CREATE | _IN_MOVED_TO) and _descend(rel):
+            self._add(rel, appeared=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            r, _, _ = select.select([self._fd], [], [], 0.1)
+            if r:
+                self._read()
+
+    def stop(self) -> str | None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            while self._read():
+                pass
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        return self._reason
+
+
+def lower_dirs(lower_dir_field: str) -> list[str]:
+    """podman's ``GraphDriver.Data.LowerDir`` (colon-separated) as a list of existing dirs."""
+    return [p for p in lower_dir_field.split(":") if p and Path(p).is_dir()]
