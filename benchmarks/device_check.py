@@ -1,0 +1,294 @@
+"""One part of the accelerator check (``benchmarks/device_check.sh`` runs every part, each in its own
+process under its own time limit, so a crash, an out-of-memory or a hang costs only that part).
+
+    python benchmarks/device_check.py --part check            # Pallas kernels vs the JAX path: values, grads
+    python benchmarks/device_check.py --part kernel           # delta-rule ms, tokens/s, TFLOP/s, temporaries
+    python benchmarks/device_check.py --part train --size 2b  # train step tokens/s, MFU, peak memory
+    ... --smoke                                               # tiny sizes, runs on a CPU (interpret mode)
+
+Every measurement prints as it is made (a timeout keeps what came before); every sub-step catches
+its own error, prints it and goes on. Ratios and rates are measured in this run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_train_step's batch builder
+
+H200_BF16_PEAK_TFLOPS = 989.0  # dense bf16, vendor datasheet (SXM); ~790 measured on random data here
+
+
+def say(*a):
+    print(*a, flush=True)
+
+
+def attempt(label, fn, *args):
+    """``fn(*args)``; on any error print it (with the last frames) and carry on with ``None``."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - a device check reports and continues
+        say(f"[{label}] ERROR {type(e).__name__}: {str(e)[:2000]}")
+        say("".join(traceback.format_exception(e)[-6:])[-3000:])
+        return None
+
+
+def timed(fn, repeats):
+    """(first call seconds (compile + run), median of ``repeats`` further calls)."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return first, statistics.median(times)
+
+
+def peak_bytes():
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def gib(n):
+    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def delta_rule_inputs(seed, B, T, H, K, V, qk_dtype, v_dtype):
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(B, T, H, K)).astype(np.float32)
+    k = rng.normal(size=(B, T, H, K)).astype(np.float32)
+    q = q / np.linalg.norm(q, axis=-1, keepdims=True) * K**-0.5
+    k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.normal(size=(B, T, H, V)).astype(np.float32)
+    g = (-np.log1p(np.exp(rng.normal(size=(B, T, H))))).astype(np.float32)
+    beta = (1 / (1 + np.exp(-rng.normal(size=(B, T, H))))).astype(np.float32)
+    s0 = rng.normal(size=(B, H, K, V)).astype(np.float32)
+    return (
+        jnp.asarray(q, qk_dtype),
+        jnp.asarray(k, qk_dtype),
+        jnp.asarray(v, v_dtype),
+        jnp.asarray(g),
+        jnp.asarray(beta),
+        jnp.asarray(s0),
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+def _check_one(B, T, H, K, V, C):
+    from tmax_jax.kernels import chunked_gated_delta_rule
+
+    say(f"[check] B={B} T={T} H={H} K={K} V={V} chunk={C}")
+    q, k, v, g, beta, s0 = delta_rule_inputs(0, B, T, H, K, V, jnp.float32, jnp.float32)
+    groups = np.zeros((B, T), np.int32)
+    groups[0, T // 3 :], groups[0, T // 2 + 5 :] = 1, 2  # three packed segments in row 0
+    groups = jnp.asarray(groups)
+    rng = np.random.default_rng(1)
+    do = jnp.asarray(rng.normal(size=(B, T, H, V)), jnp.float32)
+    ds = jnp.asarray(rng.normal(size=(B, H, K, V)), jnp.float32)
+    res = {}
+    for kern in ("jax", "pallas"):
+        fn = jax.jit(lambda *a, kern=kern: chunked_gated_delta_rule(*a, groups, C, kernels=kern))
+        (o, s), pull = jax.vjp(fn, q, k, v, g, beta, s0)
+        res[kern] = [o, s, *pull((do, ds))]
+    worst = 0.0
+    for name, a, b in zip(
+        ("out", "final", "dq", "dk", "dv", "dg", "dbeta", "ds0"), res["pallas"], res["jax"]
+    ):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        err = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+        worst = max(worst, err)
+        say(f"[check] {name:6s} max|pallas - jax| / max|jax| = {err:.2e}")
+    return worst
+
+
+def part_check(args):
+    """The kernels (kernels="pallas": Triton on GPU, Mosaic on TPU, interpret mode on CPU) against the
+    pure-JAX path: outputs, final state and the VJP, float32 inputs, packed rows, T % C != 0."""
+    from tmax_jax.kernels import resolve_kernels
+
+    impl, launcher, interpret = resolve_kernels("pallas")
+    say(
+        f"[check] backend {jax.default_backend()} ({jax.devices()[0].device_kind}); launcher {launcher}, interpret={interpret}"
+    )
+    shapes = (
+        [(2, 100, 2, 16, 16, 16)]
+        if args.smoke
+        else [(2, 2048 + 37, 4, 128, 128, 64), (1, 1000, 2, 128, 128, 64)]
+    )
+    errors = [attempt(f"check {shape}", _check_one, *shape) for shape in shapes]
+    worst = max((e for e in errors if e is not None), default=float("inf"))
+    verdict = "PASS" if worst < 1e-3 else "FAIL"
+    say(f"[check] {verdict}: worst relative error {worst:.2e} (threshold 1e-3)")
+
+
+# ------------------------------------------------------------------------------------------------
+def chunk_flops(C, K, V):
+    """Matmul FLOPs per chunk of this implementation's algorithm (value dim unsplit), forward and
+    backward (the backward recomputes the forward's chunk internals)."""
+    rounds = max(int(np.ceil(np.log2(C))) - 1, 0)
+    inverse = rounds * 2 * 2 * C**3
+    fwd = 2 * C * C * (3 * K + 2 * V) + 3 * 2 * C * K * V + inverse
+    bwd = inverse + 2 * C**3 * 2 + 9 * 2 * C * C * K + 5 * 2 * C * C * V + 7 * 2 * C * K * V
+    return fwd, bwd
+
+
+def _time_delta_rule(label, fn, inputs, flops, tokens, repeats, token_heads=None):
+    t0 = time.perf_counter()
+    compiled = fn.lower(*inputs).compile()
+    compile_s = time.perf_counter() - t0
+    mem = ""
+    if token_heads is not None:
+        try:
+            temp = compiled.memory_analysis().temp_size_in_bytes
+            mem = f"  temporaries {gib(temp)} ({temp / token_heads / 1024:.2f} KiB/token/head)"
+        except Exception as e:  # noqa: BLE001
+            mem = f"  temporaries n/a ({type(e).__name__})"
+    _, med = timed(lambda: compiled(*inputs), repeats)
+    say(
+        f"[kernel] {label}  compile {compile_s:6.2f}s  {med * 1e3:9.2f} ms  {tokens / med:12.0f} tok/s  "
+        f"{flops / med / 1e12:7.2f} TFLOP/s{mem}"
+    )
+    return med
+
+
+def part_kernel(args):
+    """Delta-rule forward and forward+backward: pure JAX vs the Pallas kernels, at one training shape
+    (q/k float32 as the layer makes them, v bfloat16), with XLA's compiled temporaries per token."""
+    from tmax_jax.kernels import chunked_gated_delta_rule
+
+    B, T, H, K, V, C = (1, 256, 2, 16, 16, 16) if args.smoke else (1, 32768, 16, 128, 128, 64)
+    say(f"[kernel] B={B} T={T} H={H} K={K} V={V} chunk={C} on {jax.devices()[0].device_kind}")
+    q, k, v, g, beta, _ = delta_rule_inputs(0, B, T, H, K, V, jnp.float32, jnp.bfloat16)
+    w = jnp.asarray(np.random.default_rng(2).normal(size=(B, T, H, V)), jnp.float32)
+    fwd_f, bwd_f = chunk_flops(C, K, V)
+    n_chunks = B * H * (-(-T // C))
+    repeats = 1 if args.smoke else 5
+    results = {}
+    for kern in ("jax", "pallas"):
+
+        def loss(q, k, v, g, beta, kern=kern):
+            o, s = chunked_gated_delta_rule(q, k, v, g, beta, None, None, C, kernels=kern)
+            return jnp.sum(o * w) + jnp.sum(s)
+
+        fwd = jax.jit(lambda *a, kern=kern: chunked_gated_delta_rule(*a, None, None, C, kernels=kern))
+        train = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+        inputs = (q, k, v, g, beta)
+        med_fwd = attempt(
+            f"kernel {kern} fwd",
+            _time_delta_rule,
+            f"{kern:6s} fwd    ",
+            fwd,
+            inputs,
+            fwd_f * n_chunks,
+            B * T,
+            repeats,
+        )
+        med_train = attempt(
+            f"kernel {kern} fwd+bwd",
+            _time_delta_rule,
+            f"{kern:6s} fwd+bwd",
+            train,
+            inputs,
+            (fwd_f + bwd_f) * n_chunks,
+            B * T,
+            repeats,
+            B * T * H,
+        )
+        results[kern] = (med_fwd, med_train)
+    if all(r is not None and None not in r for r in results.values()):
+        (jf, jt), (pf, pt) = results["jax"], results["pallas"]
+        say(f"[kernel] speed-up pallas / jax: fwd {jf / pf:.2f}x, fwd+bwd {jt / pt:.2f}x (same run)")
+    say("[kernel] TFLOP/s count this implementation's matmul FLOPs (chunk_flops), not the recurrence's")
+    say(f"[kernel] device peak memory so far {gib(peak_bytes())}")
+
+
+# ------------------------------------------------------------------------------------------------
+def model_flops_per_token(cfg, n_matmul_params, seq):
+    """6 N (N: parameters in matmuls; a tied embedding is the LM head) + causal attention
+    6 * layers * heads * head_dim * T (PaLM's 12 L H Q T, halved for the causal mask)."""
+    attn = 6 * cfg.num_full_layers * cfg.num_attention_heads * cfg.head_dim * seq
+    return 6 * n_matmul_params, attn
+
+
+def part_train(args):
+    """One optimizer step (forward, float32 log-probs, DPPO loss, backward, AdamW), bf16 compute,
+    float32 params, remat="full", one row of ``tokens`` tokens, one device."""
+    from tmax_jax.models.qwen35 import Qwen35Config
+    from tmax_jax.rl import OptimizerConfig, RLConfig
+    from tmax_jax.rl.train_step import TrainStep, make_model
+    from tmax_jax.sharding import MeshConfig, make_mesh
+
+    size = "tiny" if args.smoke else args.size
+    token_counts = [128, 256] if args.smoke else [int(t) for t in args.tokens.split(",")]
+    # The smoke run exercises the kernels (interpret mode) in the step, which "auto" would not on CPU.
+    kernels = "pallas" if args.smoke and args.kernels == "auto" else args.kernels
+    cfg = dataclasses.replace(Qwen35Config.preset(size), kernels=kernels)
+    model = make_model(cfg, remat="full", dtype=jnp.bfloat16)
+    mesh_cfg = MeshConfig(data=1, fsdp=-1, tensor=1)
+    step = TrainStep(
+        model,
+        RLConfig(optimizer=OptimizerConfig(learning_rate=1e-6)),
+        make_mesh(mesh_cfg, jax.devices()[:1]),
+        mesh_cfg,
+    )
+    holder = {"state": step.init_state()}
+    n_params = sum(x.size for x in jax.tree.leaves(holder["state"].params))
+    n_matmul = n_params - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+    say(f"[train {size}] {n_params / 1e6:.1f}M params, kernels={cfg.kernels}, {jax.devices()[0].device_kind}")
+    for tokens in token_counts:
+        attempt(f"train {size} {tokens}", _train_one, args, cfg, step, holder, n_matmul, tokens, size)
+
+
+def _train_one(args, cfg, step, holder, n_matmul, tokens, size):
+    from bench_train_step import make_batch
+
+    batch = step.put_batch(make_batch(cfg, 1, tokens))
+
+    def run():
+        holder["state"], metrics = step(holder["state"], batch)
+        return metrics["loss"]
+
+    first, med = timed(run, 1 if args.smoke else 2)
+    dense, attn = model_flops_per_token(cfg, n_matmul, tokens)
+    line = f"[train {size}] {tokens:6d} tokens  first {first:7.1f}s  step {med:7.3f}s  {tokens / med:10.0f} tok/s"
+    if jax.default_backend() in ("gpu", "tpu"):
+        peak = args.peak_tflops * 1e12
+        line += f"  MFU(6N) {dense * tokens / med / peak:6.1%}  MFU(6N+attn) {(dense + attn) * tokens / med / peak:6.1%}"
+    else:
+        line += "  MFU n/a (no accelerator)"
+    say(line + f"  peak memory so far {gib(peak_bytes())}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", required=True, choices=["check", "kernel", "train"])
+    ap.add_argument("--size", default="0.8b", help="train: a Qwen35Config preset")
+    ap.add_argument("--tokens", default="8192,32768,65536", help="train: tokens per step (one row each)")
+    ap.add_argument(
+        "--kernels", default="auto", choices=["auto", "jax", "pallas"], help="train: delta-rule path"
+    )
+    ap.add_argument(
+        "--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS, help="per-device peak for MFU"
+    )
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny sizes; runs on CPU (kernels in interpret mode)"
+    )
+    args = ap.parse_args()
+    say(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
+    {"check": part_check, "kernel": part_kernel, "train": part_train}[args.part](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The accelerator check for issue 15, at most 8 minutes on one H200:
+#   1. the Pallas delta-rule kernels against the pure-JAX path on the device (values, VJP);
+#   2. the delta rule's ms, tokens/s, TFLOP/s and compiled temporaries, JAX path vs kernels (T=32K);
+#   3. 0.8B and 2B train steps at 8K, 32K and 64K tokens: tokens/s, MFU, peak device memory.
+# Each part runs in its own process under its own limit (a crash or hang loses only that part); the
+# limits add up to under 8 minutes with their kill grace.
+#   bash benchmarks/device_check.sh            # on the accelerator host
+#   bash benchmarks/device_check.sh --smoke    # tiny sizes on a CPU, to prove the script runs
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}"
+export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-/tmp/tmax-jax-device-check-cache}"
+PY="${PYTHON:-python3}"
+SMOKE=()
+SCALE=1
+if [ "${1:-}" = "--smoke" ]; then SMOKE=(--smoke); SCALE=3; fi  # 2 shared CPU cores compile slowly
+START=$SECONDS
+BUDGET=$((470 * SCALE))
+
+part() {
+  local limit=$(( $1 * SCALE )); shift
+  local left=$(( BUDGET - (SECONDS - START) ))
+  if [ "$left" -lt 20 ]; then echo "=== skipped: $* (budget spent)"; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "=== $* (limit ${limit}s, $((SECONDS - START))s into the check)"
+  timeout -k 5 "$limit" "$PY" benchmarks/device_check.py "${SMOKE[@]}" "$@"
+  local rc=$?
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then echo "=== $*: timed out after ${limit}s"
+  elif [ "$rc" -ne 0 ]; then echo "=== $*: exited with status $rc"; fi
+}
+
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+part 60 --part check
+part 70 --part kernel
+part 150 --part train --size 0.8b
+part 170 --part train --size 2b
+echo "=== device check done in $((SECONDS - START))s"
