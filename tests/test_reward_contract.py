@@ -6,6 +6,7 @@ advantages are checked against NumPy float64.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -221,3 +222,25 @@ def test_non_finite_message_without_names_and_name_count_checked():
         group_advantages([0.0, math.nan], ["x", "x"])
     with pytest.raises(ConfigError, match="names has 1 entries"):
         group_advantages([0.0, 1.0], [0, 0], names=["only-one"])
+
+
+def test_trainer_step_refuses_a_non_finite_reward_naming_the_task():
+    # The trainer's own advantage step (Trainer._train_on), on real trajectories and config; only the
+    # Trainer object is stood in for, since building one builds a whole run (model, engine, tasks).
+    from types import SimpleNamespace
+
+    from tmax_jax.agent.trajectory import Trajectory
+    from tmax_jax.train.config import TrainConfig
+    from tmax_jax.train.loop import Trainer
+    from tmax_jax.train.queue import Group, RolloutBatch
+
+    cfg = dataclasses.replace(TrainConfig(), save_trajectories=False)
+    trainer = SimpleNamespace(cfg=cfg, pid=0, nproc=1)
+    trajs = [Trajectory("csv-sum", 3, reward=r) for r in (0.0, math.inf)]
+    batch = RolloutBatch(index=0, groups=[Group("csv-sum", trajs)])
+    with pytest.raises(NonFiniteAdvantageError, match=r"trajectory 1 \(task 'csv-sum'\) of group 3: inf"):
+        Trainer._train_on(trainer, batch, 0)
+    for t in trajs:
+        t.reward = 1.0  # a flat group: no update, and no error
+    metrics = Trainer._train_on(trainer, batch, 0)
+    assert metrics["skipped_update"] == 1 and metrics["adv/groups_dropped"] == 1.0

@@ -6,10 +6,13 @@ to ``cgroup.procs`` before ``exec``-ing the real command, so every child is born
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
 from pathlib import Path
+
+from tmax_jax.errors import ConfigError
 
 ROOT = Path("/sys/fs/cgroup")
 GROUP = "tmax-jax"
@@ -49,6 +52,18 @@ def available() -> bool:
     return False
 
 
+CFS_PERIOD_US = 100_000
+MIN_CFS_QUOTA_US = 1000  # the kernel refuses a smaller quota with EINVAL
+
+
+def cfs_quota_us(cpus: float) -> int:
+    """CFS quota per 100 ms period for ``cpus`` cores, floored to the kernel's 1 ms minimum (a
+    ``cpus = 0.001`` task gets 0.01 of a core rather than an OSError from the kernel)."""
+    if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not math.isfinite(cpus) or cpus <= 0:
+        raise ConfigError(f"sandbox.cpus must be a finite number > 0, got {cpus!r}")
+    return max(MIN_CFS_QUOTA_US, round(cpus * CFS_PERIOD_US))
+
+
 class Cgroup:
     """One sandbox's cgroup; ``create`` sets the limits, ``kill_all`` + ``remove`` clean up."""
 
@@ -61,10 +76,10 @@ class Cgroup:
             self.dirs = [ROOT / GROUP / name]
 
     def create(self, *, pids_max: int, memory_mb: int, cpus: float) -> None:
+        quota = str(cfs_quota_us(cpus))
         for d in self.dirs:
             d.mkdir(parents=True, exist_ok=True)
         mem = str(memory_mb << 20)
-        quota = str(int(cpus * 100_000))
         if self.mode == "v1":
             pids, memory, cpu = self.dirs
             (pids / "pids.max").write_text(str(pids_max))
@@ -73,7 +88,7 @@ class Cgroup:
                 (memory / "memory.memsw.limit_in_bytes").write_text(mem)
             except OSError:
                 pass
-            (cpu / "cpu.cfs_period_us").write_text("100000")
+            (cpu / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
             (cpu / "cpu.cfs_quota_us").write_text(quota)
         else:
             d = self.dirs[0]
@@ -83,7 +98,7 @@ class Cgroup:
                 (d / "memory.swap.max").write_text("0")
             except OSError:
                 pass
-            (d / "cpu.max").write_text(f"{quota} 100000")
+            (d / "cpu.max").write_text(f"{quota} {CFS_PERIOD_US}")
 
     @property
     def procs_files(self) -> list[str]:

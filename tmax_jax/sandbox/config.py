@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,28 @@ DEFAULT_WRITABLE = (
 )
 
 
+# Bounds of SandboxConfig's values (task limits are checked against the same ones).
+MIN_CPUS = 0.01  # the kernel's smallest CFS quota: 1 ms per 100 ms period
+MAX_CPUS = 256.0
+MAX_TIMEOUT_S = 30 * 86400.0
+MAX_MEMORY_MB = 1 << 20  # 1 TiB
+MAX_DISK_MB = 1 << 24  # 16 TiB
+MAX_PIDS = 1 << 22  # the kernel's largest pid_max
+MAX_NOFILE = 1 << 20  # the default fs.nr_open: setrlimit refuses more
+_FLOAT_BOUNDS = {  # name: (smallest allowed, or None for "> 0"; largest allowed)
+    "exec_timeout_s": (None, MAX_TIMEOUT_S),
+    "episode_timeout_s": (None, MAX_TIMEOUT_S),
+    "cpus": (MIN_CPUS, MAX_CPUS),
+}
+_INT_BOUNDS = {
+    "max_output_bytes": (1, 1 << 40),
+    "pids_max": (1, MAX_PIDS),
+    "memory_mb": (1, MAX_MEMORY_MB),
+    "disk_mb": (1, MAX_DISK_MB),
+    "nofile": (1, MAX_NOFILE),
+}
+
+
 def default_cache_dir() -> str:
     return os.environ.get("TMAX_JAX_CACHE", str(Path.home() / ".cache" / "tmax-jax"))
 
@@ -52,7 +75,10 @@ class SandboxConfig:
     memory_mb: memory cgroup limit (RLIMIT_AS when there are no cgroups).
     disk_mb: size of /tmp's tmpfs and of the writable state (a size-limited tmpfs as root,
       RLIMIT_FSIZE per file always).
-    cpus: CPU share (CFS quota), e.g. 1.0 = one core.
+    cpus: CPU share (CFS quota), e.g. 1.0 = one core; in [0.01, 256] (0.01 = the kernel's smallest
+      quota, 1 ms per 100 ms).
+    Timeouts are finite, > 0 and at most 30 days; sizes and counts are positive integers with the
+    upper bounds in ``_INT_BOUNDS``. A bad value is a ConfigError naming the field.
     network: False = no network namespace link at all (loopback only).
     """
 
@@ -82,12 +108,22 @@ class SandboxConfig:
     def __post_init__(self):
         if self.backend not in ("bwrap", "podman", "apptainer"):
             raise ConfigError(f"sandbox.backend: {self.backend!r} is not one of bwrap, podman, apptainer")
-        for name in ("exec_timeout_s", "episode_timeout_s", "cpus"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"sandbox.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("max_output_bytes", "pids_max", "memory_mb", "disk_mb", "nofile"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"sandbox.{name} must be > 0, got {getattr(self, name)}")
+        for name, (lo, hi) in _FLOAT_BOUNDS.items():
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ConfigError(f"sandbox.{name} must be a number, got {v!r}")
+            # An infinite or nan timeout never fires (nan compares False with everything).
+            if not math.isfinite(v) or (v <= 0 if lo is None else v < lo) or v > hi:
+                low = "> 0" if lo is None else f">= {lo:.15g}"
+                raise ConfigError(
+                    f"sandbox.{name} must be a finite number {low} and <= {hi:.15g}, got {v:.15g}"
+                )
+        for name, (lo, hi) in _INT_BOUNDS.items():
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(f"sandbox.{name} must be an integer, got {v!r}")
+            if not lo <= v <= hi:
+                raise ConfigError(f"sandbox.{name} must be in [{lo}, {hi}], got {v}")
         for p in self.writable_paths:
             if not p.startswith("/") or p.count("/") < 1 or p in ("/", "/usr", "/etc", "/proc", "/dev"):
                 raise ConfigError(f"sandbox.writable_paths: {p!r} is not an allowed absolute path")

@@ -15,7 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from tmax_jax.errors import TaskFormatError
-from tmax_jax.tasks.model import EnvironmentSpec, Task, TaskLimits, boolean, number, parse_size_mb
+from tmax_jax.tasks.model import (
+    EnvironmentSpec,
+    Task,
+    TaskLimits,
+    boolean,
+    cpu_count,
+    memory_mb,
+    read_text,
+    storage_mb,
+    timeout_s,
+)
 
 
 def is_harbor(path: Path) -> bool:
@@ -46,13 +56,13 @@ def load_harbor(path: Path) -> Task:
             f"{path}: missing task.toml (Harbor layout needs instruction.md, task.toml, tests/test.sh)"
         )
     try:
-        data = tomllib.loads(toml_path.read_text())
+        data = tomllib.loads(read_text(toml_path))
     except tomllib.TOMLDecodeError as e:
         raise TaskFormatError(f"{toml_path}: not valid TOML: {e}") from e
     instr_path = path / "instruction.md"
     if not instr_path.is_file():
         raise TaskFormatError(f"{path}: missing instruction.md")
-    instruction = instr_path.read_text().strip()
+    instruction = read_text(instr_path).strip()
     if not instruction:
         raise TaskFormatError(f"{instr_path}: instruction is empty")
     tests = path / "tests"
@@ -65,20 +75,22 @@ def load_harbor(path: Path) -> Task:
     env = _section(data, "environment", toml_path)
     limits: dict[str, Any] = {}
     w = f"{toml_path}"
-    if (kv := _first(ver, ("timeout_sec", "timeout"))) or (kv := _first(data, ("max_test_timeout_sec",))):
-        limits["verifier_timeout_s"] = number(kv[1], f"{w}: verifier.{kv[0]}")
-    if (kv := _first(agent, ("timeout_sec", "timeout"))) or (kv := _first(data, ("max_agent_timeout_sec",))):
-        limits["agent_timeout_s"] = number(kv[1], f"{w}: agent.{kv[0]}")
-    if kv := _first(env, ("build_timeout_sec", "build_timeout")):
-        limits["build_timeout_s"] = number(kv[1], f"{w}: environment.{kv[0]}")
-    if kv := _first(env, ("cpus", "cpu")):
-        limits["cpus"] = number(kv[1], f"{w}: environment.{kv[0]}")
-    if kv := _first(env, ("memory", "memory_mb", "memory_limit")):
-        limits["memory_mb"] = parse_size_mb(kv[1], f"{w}: environment.{kv[0]}")
-    if kv := _first(env, ("storage", "storage_mb", "disk")):
-        limits["storage_mb"] = parse_size_mb(kv[1], f"{w}: environment.{kv[0]}")
-    if kv := _first(env, ("allow_internet", "network", "internet")):
-        limits["allow_internet"] = boolean(kv[1], f"{w}: environment.{kv[0]}")
+    # (section, its name in messages, keys in order of preference, TaskLimits field, validator)
+    fields = (
+        (ver, "verifier", ("timeout_sec", "timeout"), "verifier_timeout_s", timeout_s),
+        (data, "", ("max_test_timeout_sec",), "verifier_timeout_s", timeout_s),
+        (agent, "agent", ("timeout_sec", "timeout"), "agent_timeout_s", timeout_s),
+        (data, "", ("max_agent_timeout_sec",), "agent_timeout_s", timeout_s),
+        (env, "environment", ("build_timeout_sec", "build_timeout"), "build_timeout_s", timeout_s),
+        (env, "environment", ("cpus", "cpu"), "cpus", cpu_count),
+        (env, "environment", ("memory", "memory_mb", "memory_limit"), "memory_mb", memory_mb),
+        (env, "environment", ("storage", "storage_mb", "disk"), "storage_mb", storage_mb),
+        (env, "environment", ("allow_internet", "network", "internet"), "allow_internet", boolean),
+    )
+    for sec, sec_name, keys, dest, check in fields:
+        if dest in limits or not (kv := _first(sec, keys)):
+            continue
+        limits[dest] = check(kv[1], f"{w}: {sec_name + '.' if sec_name else ''}{kv[0]}")
 
     dockerfile = path / "environment" / "Dockerfile"
     image = env.get("docker_image") or env.get("image")

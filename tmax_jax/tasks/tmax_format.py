@@ -16,15 +16,25 @@ import json
 from pathlib import Path
 
 from tmax_jax.errors import TaskFormatError
-from tmax_jax.tasks.model import EnvironmentSpec, Task, TaskLimits, boolean, number, parse_size_mb
+from tmax_jax.tasks.model import (
+    EnvironmentSpec,
+    Task,
+    TaskLimits,
+    boolean,
+    cpu_count,
+    memory_mb,
+    read_text,
+    storage_mb,
+    timeout_s,
+)
 
 LIMIT_KEYS = {
-    "agent_timeout_sec": ("agent_timeout_s", number),
-    "verifier_timeout_sec": ("verifier_timeout_s", number),
-    "build_timeout_sec": ("build_timeout_s", number),
-    "cpus": ("cpus", number),
-    "memory": ("memory_mb", parse_size_mb),
-    "storage": ("storage_mb", parse_size_mb),
+    "agent_timeout_sec": ("agent_timeout_s", timeout_s),
+    "verifier_timeout_sec": ("verifier_timeout_s", timeout_s),
+    "build_timeout_sec": ("build_timeout_s", timeout_s),
+    "cpus": ("cpus", cpu_count),
+    "memory": ("memory_mb", memory_mb),
+    "storage": ("storage_mb", storage_mb),
     "allow_internet": ("allow_internet", boolean),
 }
 
@@ -38,9 +48,10 @@ def load_tmax(path: Path) -> Task:
     jpath = path / "task.json"
     if not jpath.is_file():
         raise TaskFormatError(f"{path}: missing task.json")
+    text = read_text(jpath)
     try:
-        data = json.loads(jpath.read_text())
-    except ValueError as e:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
         raise TaskFormatError(f"{jpath}: not valid JSON: {e}") from e
     if not isinstance(data, dict):
         raise TaskFormatError(f"{jpath}: top level must be an object, got {type(data).__name__}")

@@ -451,6 +451,7 @@ class Trainer:
                     len(t.tokens),
                     t.num_format_errors,
                     step - t.min_version if t.num_generated else 0,
+                    t.task_id,
                 ]
                 for t in trajs
             ]
@@ -459,8 +460,8 @@ class Trainer:
         dropped = sum(share.pop() for share in shares)
         offset = sum(len(share) for share in shares[: self.pid])
         everyone = [e for share in shares for e in share]
-        rewards, passed, gids, turns, tokens, format_errors, staleness = (
-            [list(c) for c in zip(*everyone)] if everyone else [[]] * 7
+        rewards, passed, gids, turns, tokens, format_errors, staleness, task_ids = (
+            [list(c) for c in zip(*everyone)] if everyone else [[]] * 8
         )
 
         def mean(xs) -> float:
@@ -478,7 +479,7 @@ class Trainer:
         if not everyone:
             metrics["skipped_update"] = 1
             return metrics
-        adv = group_advantages(rewards, gids, cfg.rl.advantage)
+        adv = group_advantages(rewards, gids, cfg.rl.advantage, names=task_ids)
         metrics.update({f"adv/{k}": v for k, v in adv.stats().items()})
         kept = [i for i, k in enumerate(adv.keep) if k]
         if not kept:
