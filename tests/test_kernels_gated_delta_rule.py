@@ -163,6 +163,33 @@ def test_bad_inputs_name_what_is_wrong():
         pallas_chunked_gated_delta_rule(q, k, v, g, beta, backend="cuda", interpret=True)
 
 
+@pytest.mark.parametrize(
+    "backend,platform,call", [("tpu", "tpu", "tpu_custom_call"), ("gpu", "cuda", "xla.gpu.triton")]
+)
+def test_kernels_lower_for_tpu_and_gpu_at_model_head_dims(backend, platform, call):
+    """From this CPU host, Pallas lowers both launchers (forward and backward, K = V = 128, C = 64,
+    bf16 q/k/v) to Mosaic and to Triton IR: every primitive and block shape passes the backend's
+    lowering rules. What runs after that on a chip (Mosaic's layout passes, Triton's PTX) is not
+    checked here: benchmarks/device_check.sh does that."""
+    from jax import export
+
+    B, T, H, D = 1, 128, 2, 128
+    spec = [((B, T, H, D), jnp.bfloat16)] * 3 + [((B, T, H), jnp.float32)] * 2 + [((B, H, D, D), jnp.float32)]
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in spec]
+    groups = jax.ShapeDtypeStruct((B, T), jnp.int32)
+
+    def loss(q, k, v, g, beta, s0, groups):
+        o, s = pallas_chunked_gated_delta_rule(q, k, v, g, beta, s0, groups, 64, backend=backend)
+        return jnp.sum(o) + jnp.sum(s)
+
+    train = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5)))
+    unchecked = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]  # no stability promise
+    module = export.export(train, platforms=[platform], disabled_checks=unchecked)(
+        *args, groups
+    ).mlir_module()
+    assert module.count(call) == 2  # the forward and the backward kernel
+
+
 def test_dispatch_by_backend_and_override():
     assert resolve_kernels("auto", "cpu") == ("jax", None, False)
     assert resolve_kernels("auto", "tpu") == ("pallas", "tpu", False)
