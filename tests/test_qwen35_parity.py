@@ -83,3 +83,50 @@ def test_hidden_states_times_lm_head_weight_is_the_logits(case):
         atol=1e-5,
         rtol=1e-5,
     )
+
+
+@pytest.mark.parametrize("top_level", [False, None])
+def test_vlm_head_follows_the_top_level_tie_and_is_never_dropped(top_level, tmp_path):
+    """text_config says tie, the top level says no (or omits it, default False): transformers'
+    Qwen3_5ForConditionalGeneration keeps its own lm_head. load_hf must too, and save_hf must export a
+    text-layout checkpoint that transformers reads back with the same logits."""
+    import json
+
+    import torch
+    from helpers_hf import perturb_, tiny_text_config
+    from transformers import AutoModelForCausalLM, Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from tmax_jax.checkpoints import save_hf
+
+    torch.manual_seed(5)
+    text = tiny_text_config(tie_word_embeddings=True)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32)
+    kw = {} if top_level is None else {"tie_word_embeddings": top_level}
+    hf = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision, **kw))
+    perturb_(hf, 5)
+    hf.float().eval()
+    src = tmp_path / "vlm"
+    hf.save_pretrained(str(src))
+    raw = json.loads((src / "config.json").read_text())
+    if top_level is None:
+        raw.pop("tie_word_embeddings", None)
+        (src / "config.json").write_text(json.dumps(raw))
+    assert raw["text_config"]["tie_word_embeddings"] is True
+
+    ref_model = Qwen3_5ForConditionalGeneration.from_pretrained(str(src), dtype=torch.float32).eval()
+    head = ref_model.lm_head.weight.detach().numpy()
+    embed = ref_model.model.language_model.embed_tokens.weight.detach().numpy()
+    assert np.abs(head - embed).max() > 1e-3  # transformers did not tie: the head is its own
+
+    ids = random_ids(np.random.default_rng(11), 2, 45, 256)
+    ref = hf_logits(ref_model, ids)
+    model = load_hf(src, dtype="float32")
+    assert not model.config.tie_word_embeddings
+    np.testing.assert_allclose(np.asarray(model.lm_head_weight()).T, head, rtol=0, atol=0)
+    logits = np.asarray(forward(model, jnp.asarray(ids)))
+    np.testing.assert_allclose(logits, ref, atol=2e-5, rtol=2e-4)
+
+    out = save_hf(model, tmp_path / "export")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    back = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    np.testing.assert_allclose(hf_logits(back, ids), ref, atol=2e-5, rtol=2e-4)

@@ -6,6 +6,7 @@ so host RAM never holds much more than the largest stacked parameter.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -89,16 +90,24 @@ def load_hf(
     cfg = read_hf_config(path)
     files = _weight_files(path)
     prefix = VLM_PREFIX if any(n.startswith(VLM_PREFIX) for n in files) else TEXT_PREFIX
+    if cfg.tie_word_embeddings and "lm_head.weight" in files:
+        # transformers ties only a head the checkpoint lacks (a stored head equal to the embedding
+        # gives the same logits untied); a stored head is never dropped.
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     params = all_params(cfg, prefix)
 
     expected = {n for p in params for n in p.hf_names}
     available = {n for n in files if not n.startswith(IGNORED_PREFIXES)}
-    if cfg.tie_word_embeddings:
-        available.discard("lm_head.weight")  # a tied head duplicates the embedding
     missing = sorted(expected - available)
     if missing:
+        hint = (
+            " (tie_word_embeddings is False: for model_type 'qwen3_5' transformers reads the top-level"
+            " value, not text_config's)"
+            if "lm_head.weight" in missing
+            else ""
+        )
         raise CheckpointError(
-            f"{path}: missing tensor(s) {missing[:8]}" + (" ..." if len(missing) > 8 else "")
+            f"{path}: missing tensor(s) {missing[:8]}" + (" ..." if len(missing) > 8 else "") + hint
         )
     extra = sorted(available - expected)
     if extra:

@@ -154,15 +154,16 @@ class Qwen35Config:
             raise ConfigError(
                 f"unsupported model_type {model_type!r}; tmax-jax loads {list(SUPPORTED_MODEL_TYPES)}"
             )
-        tie = d.get("tie_word_embeddings")
+        # Tying follows the config transformers' model class reads for this layout:
+        # Qwen3_5ForConditionalGeneration (VLM) reads the top level's tie_word_embeddings and never
+        # text_config's; Qwen3_5ForCausalLM (text) reads its own. Both default to False. A checkpoint
+        # that also holds lm_head.weight is never tied (load_hf; transformers keeps both tensors too).
+        tie = bool(d.get("tie_word_embeddings", False))
         if model_type == VLM_MODEL_TYPE:
             text = d.get("text_config")
             if not isinstance(text, Mapping):
                 raise ConfigError("model_type 'qwen3_5' config has no text_config mapping")
-            text = dict(text)
-            if "tie_word_embeddings" not in text and tie is not None:
-                text["tie_word_embeddings"] = tie
-            d = text
+            d = dict(text)
         if d.get("num_experts") or d.get("num_experts_per_tok"):
             raise ConfigError(
                 "Qwen 3.5 MoE configs (num_experts > 0) are not supported yet; dense models only"
@@ -182,6 +183,7 @@ class Qwen35Config:
         for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
             if isinstance(kwargs.get(key), list):
                 kwargs[key] = kwargs[key][0] if kwargs[key] else None
+        kwargs["tie_word_embeddings"] = tie
         kwargs.pop("chunk_size", None)
         kwargs.pop("kernels", None)  # runtime choices are never read from a checkpoint
         return cls(**kwargs)
