@@ -147,6 +147,10 @@ TMAX_BAD = [
     ('{"limits": {"memory": 1e400}}', "limits.memory must be a finite size > 0, got inf"),
     ('{"limits": {"memory": "4M"}}', "limits.memory: size '4M' is below 16 MB"),
     ('{"limits": {"storage": -1}}', "limits.storage must be a finite size > 0, got -1"),
+    (
+        '{"limits": {"storage": 1' + "0" * 400 + "}}",
+        "limits.storage: size 1000000000000000000000000000000000000000... is above",
+    ),
     ('{"limits": {"storage": null}}', "limits.storage: expected a size like '2G', got NoneType"),
     ("[" * 100_000, "task.json: not valid JSON"),
     (b'{"prompt": "\xff"}', "task.json: not UTF-8 text"),
@@ -264,3 +268,12 @@ def test_tiny_cpu_share_makes_a_real_cgroup_instead_of_an_oserror():
         cg.kill_all()
         cg.remove()
     assert not any(d.exists() for d in cg.dirs)
+
+
+def test_sandbox_config_accepts_numpy_numbers():
+    import numpy as np
+
+    c = SandboxConfig(pids_max=np.int64(64), cpus=np.float32(0.5), episode_timeout_s=np.float64(10))
+    assert (c.pids_max, c.cpus, c.episode_timeout_s) == (64, 0.5, 10.0)
+    lim = TaskLimits(cpus=np.float32(2.0), memory_mb=np.int64(64))
+    assert (lim.cpus, lim.memory_mb) == (2.0, 64)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,9 +78,10 @@ class SandboxConfig:
       RLIMIT_FSIZE per file always).
     cpus: CPU share (CFS quota), e.g. 1.0 = one core; in [0.01, 256] (0.01 = the kernel's smallest
       quota, 1 ms per 100 ms).
+    network: False = no network namespace link at all (loopback only).
+
     Timeouts are finite, > 0 and at most 30 days; sizes and counts are positive integers with the
     upper bounds in ``_INT_BOUNDS``. A bad value is a ConfigError naming the field.
-    network: False = no network namespace link at all (loopback only).
     """
 
     backend: Backend = "bwrap"
@@ -110,7 +112,7 @@ class SandboxConfig:
             raise ConfigError(f"sandbox.backend: {self.backend!r} is not one of bwrap, podman, apptainer")
         for name, (lo, hi) in _FLOAT_BOUNDS.items():
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise ConfigError(f"sandbox.{name} must be a number, got {v!r}")
             # An infinite or nan timeout never fires (nan compares False with everything).
             if not math.isfinite(v) or (v <= 0 if lo is None else v < lo) or v > hi:
@@ -120,7 +122,7 @@ class SandboxConfig:
                 )
         for name, (lo, hi) in _INT_BOUNDS.items():
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):  # numpy ints are fine
                 raise ConfigError(f"sandbox.{name} must be an integer, got {v!r}")
             if not lo <= v <= hi:
                 raise ConfigError(f"sandbox.{name} must be in [{lo}, {hi}], got {v}")

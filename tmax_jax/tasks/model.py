@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,8 +91,9 @@ def parse_size_mb(value: Any, where: str, minimum: int = 1, maximum: int | None 
     """'2G', '512M', '1.5GiB', 2048 (MB) -> MB, within [minimum, maximum] MB."""
     if isinstance(value, bool):
         raise TaskFormatError(f"{where}: expected a size like '2G' or a number of MB, got {value!r}")
-    if isinstance(value, (int, float)):
-        if not math.isfinite(value) or value <= 0:
+    if isinstance(value, numbers.Real):
+        # An int is always finite (and math.isfinite overflows on one with hundreds of digits).
+        if not (isinstance(value, numbers.Integral) or math.isfinite(value)) or value <= 0:
             raise TaskFormatError(f"{where} must be a finite size > 0, got {value}")
         mb = int(value)
     elif isinstance(value, str):
@@ -105,16 +107,17 @@ def parse_size_mb(value: Any, where: str, minimum: int = 1, maximum: int | None 
         mb = int(num * mult)
     else:
         raise TaskFormatError(f"{where}: expected a size like '2G', got {type(value).__name__}")
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
     if mb < minimum:
-        raise TaskFormatError(f"{where}: size {value!r} is below {minimum} MB")
+        raise TaskFormatError(f"{where}: size {shown} is below {minimum} MB")
     if maximum is not None and mb > maximum:
-        raise TaskFormatError(f"{where}: size {value!r} is above the maximum of {maximum} MB")
+        raise TaskFormatError(f"{where}: size {shown} is above the maximum of {maximum} MB")
     return mb
 
 
 def number(value: Any, where: str, positive: bool = True, maximum: float | None = None) -> float:
     """A finite number (a numeric string is read too); > 0 when ``positive``; <= ``maximum``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         if isinstance(value, str):
             try:
                 value = float(value)
