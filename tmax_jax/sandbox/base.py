@@ -43,6 +43,26 @@ VERIFIER_ENV = {
 }
 
 
+# Variables that change how a shell or Python starts, or what it loads: never taken from the image
+# (which the agent may have shaped) into a verifier.
+_STARTUP_VARS = frozenset(
+    {
+        "PATH", "HOME", "ENV", "BASH_ENV", "PROMPT_COMMAND", "PYTHONPATH", "PYTHONHOME",
+        "PYTHONSTARTUP", "PYTHONUSERBASE", "PYTHONINSPECT", "PYTHONWARNINGS", "PYTEST_ADDOPTS",
+        "PYTEST_PLUGINS", "LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT", "PERL5OPT", "NODE_OPTIONS",
+    }
+)  # fmt: skip
+
+
+def exec_result(got, cap: int) -> ExecResult:
+    """An ``ExecResult`` from a ``procs.Captured`` (decoded, truncation marked)."""
+    out = got.stdout.decode("utf-8", "replace")
+    err = got.stderr.decode("utf-8", "replace")
+    if got.truncated:
+        err += TRUNCATION_MARKER.format(cap=cap)
+    return ExecResult(out, err, got.exit_code, got.timed_out, got.truncated, got.duration_s)
+
+
 @dataclass
 class VerifierRun:
     """What ``Sandbox.run_verifier`` returns.
@@ -146,6 +166,22 @@ class Sandbox(abc.ABC):
     def _backend_env(self) -> dict[str, str]:
         return {}
 
+    def internal_environment(self) -> dict[str, str]:
+        """For the runner's own commands (file transfer, process listing): nothing the agent set."""
+        return {"PATH": BASE_PATH, "HOME": "/", "LANG": "C.UTF-8", "TERM": "dumb"}
+
+    def verifier_environment(self, env: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The verifier's environment: the image's variables without the ones that steer start-up,
+        the backend's, then ``VERIFIER_ENV``; the image's PATH entries come after the base's."""
+        out = {k: v for k, v in self.image_env.items() if k not in _STARTUP_VARS}
+        out.update(self._backend_env())
+        base_path = out.get("PATH", VERIFIER_PATH)
+        out.update(VERIFIER_ENV)
+        extra = [p for p in self.image_env.get("PATH", "").split(":") if p and p not in base_path.split(":")]
+        out["PATH"] = ":".join([base_path, *extra])
+        out.update(env or {})
+        return out
+
     def clamp_timeout(self, timeout: float | None) -> float:
         if self._closed:
             raise SandboxError(f"sandbox {self.id} is closed")
@@ -176,16 +212,16 @@ class Sandbox(abc.ABC):
         cap = max_output_bytes or self.cfg.max_output_bytes
         data = stdin.encode() if isinstance(stdin, str) else stdin
         got = self._run(argv, timeout=self.clamp_timeout(timeout), stdin=data, env=env, cwd=cwd, cap=cap)
-        out = got.stdout.decode("utf-8", "replace")
-        err = got.stderr.decode("utf-8", "replace")
-        if got.truncated:
-            err += TRUNCATION_MARKER.format(cap=cap)
-        return ExecResult(out, err, got.exit_code, got.timed_out, got.truncated, got.duration_s)
+        return exec_result(got, cap)
 
-    def _run(self, argv, *, timeout, stdin, env, cwd, cap, cap_stdout=True):
+    def _run(self, argv, *, timeout, stdin, env, cwd, cap, cap_stdout=True, internal=False):
+        """``internal``: one of the runner's own commands, run with ``internal_environment()``."""
         self.exec_count += 1
         host_argv = self._exec_argv(
-            argv, self.environment(env), cwd or self.workdir, interactive=stdin is not None
+            argv,
+            self.internal_environment() if internal else self.environment(env),
+            cwd or self.workdir,
+            interactive=stdin is not None,
         )
         got = run_capped(
             host_argv, timeout=timeout, cap=cap, stdin=stdin, on_kill=self._on_kill, cap_stdout=cap_stdout
@@ -237,11 +273,11 @@ class Sandbox(abc.ABC):
         target = q(parent.rstrip("/") + "/" + name)
         # A writable path is a mount point: empty it rather than removing it.
         rm = (
-            f"{{ if [ -d {target} ] && [ ! -L {target} ]; then find {target} -mindepth 1 -delete; else rm -rf {target}; fi; }} && "
+            f"{{ if [ -d {target} ] && [ ! -L {target} ]; then /usr/bin/find {target} -mindepth 1 -delete; else /bin/rm -rf {target}; fi; }} && "
             if replace
             else ""
         )
-        script = f"mkdir -p {q(parent)} && {rm}tar -x -o -C {q(parent)}"
+        script = f"/bin/mkdir -p {q(parent)} && {rm}/bin/tar -x -o -C {q(parent)}"
         got = self._run(
             ["/bin/bash", "-c", script],
             timeout=self.clamp_timeout(timeout),
@@ -249,6 +285,7 @@ class Sandbox(abc.ABC):
             env=None,
             cwd="/",
             cap=1 << 16,
+            internal=True,
         )
         if got.exit_code != 0:
             raise SandboxError(
@@ -260,10 +297,13 @@ class Sandbox(abc.ABC):
         blob = self._tar_out(remote_path, timeout)
         local = Path(local_path)
         with tempfile.TemporaryDirectory() as tmp:
-            with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
-                # "data" refuses absolute paths, links out of the tree and device files a hostile
-                # sandbox could put in the archive.
-                tar.extractall(tmp, filter="data")
+            try:
+                with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+                    # "data" refuses absolute paths, links out of the tree and device files a hostile
+                    # sandbox could put in the archive.
+                    tar.extractall(tmp, filter="data")
+            except (tarfile.TarError, OSError) as e:
+                raise SandboxError(f"download of {remote_path}: the sandbox sent a bad archive: {e}") from e
             got = Path(tmp) / PurePosixPath(remote_path).name
             if local.is_dir() and not got.is_dir():
                 local = local / got.name
@@ -274,16 +314,19 @@ class Sandbox(abc.ABC):
 
     def read_file(self, remote_path: str, timeout: float = 60.0, max_bytes: int = 64 << 20) -> bytes:
         blob = self._tar_out(remote_path, timeout, max_bytes)
-        with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
-            member = tar.next()
-            if member is None or not member.isfile():
-                raise SandboxError(f"read_file: {remote_path} is not a regular file")
-            return tar.extractfile(member).read()
+        try:
+            with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+                member = tar.next()
+                if member is None or not member.isfile():
+                    raise SandboxError(f"read_file: {remote_path} is not a regular file")
+                return tar.extractfile(member).read()
+        except (tarfile.TarError, OSError) as e:
+            raise SandboxError(f"read_file {remote_path}: the sandbox sent a bad archive: {e}") from e
 
     def _tar_out(self, remote_path: str, timeout: float, max_bytes: int = 4 << 30) -> bytes:
         remote = PurePosixPath(_absolute(remote_path))
         q = shlex.quote
-        script = f"test -e {q(str(remote))} || {{ echo 'no such path' >&2; exit 3; }}; tar -c -C {q(str(remote.parent))} {q(remote.name)}"
+        script = f"test -e {q(str(remote))} || {{ echo 'no such path' >&2; exit 3; }}; /bin/tar -c -C {q(str(remote.parent))} {q(remote.name)}"
         got = self._run(
             ["/bin/bash", "-c", script],
             timeout=self.clamp_timeout(timeout),
@@ -292,6 +335,7 @@ class Sandbox(abc.ABC):
             cwd="/",
             cap=max_bytes,
             cap_stdout=max_bytes < (4 << 30),
+            internal=True,
         )
         if got.exit_code == 3:
             raise SandboxError(f"download: {remote_path} does not exist in the sandbox")
@@ -316,17 +360,24 @@ class Sandbox(abc.ABC):
         from tmax_jax.sandbox.shell import descendants_started_after
 
         got = self._run(
-            ["/bin/sh", "-c", "cat /proc/[0-9]*/stat 2>/dev/null; true"],
+            ["/bin/sh", "-c", "/bin/cat /proc/[0-9]*/stat 2>/dev/null; true"],
             timeout=15,
             stdin=None,
             env=None,
             cwd="/",
             cap=16 << 20,
+            internal=True,
         )
         pids = descendants_started_after(got.stdout.decode(errors="replace"), session.shell_pid_inside, since)
         if pids:
             self._run(
-                ["/bin/kill", "-9", *map(str, pids)], timeout=15, stdin=None, env=None, cwd="/", cap=1 << 16
+                ["/bin/kill", "-9", *map(str, pids)],
+                timeout=15,
+                stdin=None,
+                env=None,
+                cwd="/",
+                cap=1 << 16,
+                internal=True,
             )
 
     def run_verifier(

@@ -1,14 +1,28 @@
-"""bubblewrap backend: one long-lived namespace set per sandbox, commands enter it with nsenter.
+"""bubblewrap backend: a user namespace of its own per sandbox, a bwrap per command, a verifier apart.
 
-The sandbox is a ``bwrap`` process (pid 1 of a new pid namespace, ``--die-with-parent``) that holds
-mount/net/pid/ipc/uts/cgroup namespaces open. Every ``exec`` and shell joins those namespaces with
-``nsenter`` and drops all capabilities with ``setpriv`` before running, so files, background
-services and loopback ports are shared across commands, as in a container. When pid 1 dies the
-kernel kills every process of the namespace; the per-sandbox cgroup is the second line.
+Layout of one sandbox (the threat model is in sandboxes/README.md):
+
+- A user namespace ``U`` whose root is an unprivileged host uid (as host root: uids 0..65535 inside
+  map to ``SUBID_BASE`` and up; as an ordinary user: the user itself). Host files owned by host root
+  are ``nobody`` inside, so no capability held in ``U`` reaches them.
+- A holder: ``bwrap`` as pid 1 of a new pid namespace, with new network, IPC, UTS and cgroup
+  namespaces, all owned by ``U``; it runs ``sleep`` and reaps orphans. It keeps the namespaces alive.
+- Every command (``exec``, each shell) is its own ``bwrap`` that joins ``U``, the network, IPC, UTS
+  and cgroup namespaces (``nsenter``) and the holder's pid namespace (``--pidns``), builds a fresh
+  mount namespace (the read-only base, then the sandbox's writable state bound in), keeps Docker's
+  default capabilities (within ``U`` only) and runs under the seccomp filter of ``seccomp.py``.
+  All writable paths, ``/tmp``, ``/run`` and ``/dev/shm`` included, are directories of one
+  size-limited state tmpfs, so every command sees the same files, as in a container.
+- The verifier (``run_verifier``) is a ``bwrap`` that joins only ``U`` and the network namespace:
+  its pid namespace is a sibling of the agent's (agent processes cannot see or signal it) and its
+  mount namespace has the base freshly bound, the agent's writable paths, and ``/tests`` and
+  ``/logs`` from host directories that no agent mount namespace contains. The reward is read from
+  that host directory.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -18,10 +32,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tmax_jax.errors import SandboxError
-from tmax_jax.sandbox import cgroup, rootfs
-from tmax_jax.sandbox.base import BASE_PATH, Sandbox
+from tmax_jax.sandbox import cgroup, rootfs, seccomp
+from tmax_jax.sandbox.base import BASE_PATH, Sandbox, VerifierRun, exec_result
 from tmax_jax.sandbox.config import SandboxConfig
-from tmax_jax.sandbox.procs import kill_tree, pid_alive
+from tmax_jax.sandbox.procs import kill_tree, pid_alive, run_capped
+
+# Host uid/gid that root of a sandbox's user namespace maps to when tmax-jax runs as host root.
+SUBID_BASE = 100000
+SUBID_COUNT = 65536
+# Docker's default capability set: root inside behaves as in a container, over the sandbox's own
+# files only (capabilities of a user namespace do not apply to host-owned objects).
+CAPS = (
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID",
+    "CAP_SETUID", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_NET_RAW", "CAP_SYS_CHROOT",
+    "CAP_MKNOD", "CAP_AUDIT_WRITE", "CAP_SETFCAP",
+)  # fmt: skip
+# Paths every sandbox gets from its state besides the configured writable ones (sticky, world-writable).
+SCRATCH = ("/tmp", "/run", "/dev/shm")
+STATE_INTERNAL = ".tmax"  # state/.tmax/<scratch path>: not part of any layer
+# As host root, each sandbox's host-side mounts (its state tmpfs, and read-only binds of bind sources
+# that root of the user namespace could not reach, such as a Python under /root) live under here,
+# in a directory only host root and the sandbox's root may enter.
+STAGE_ROOT = Path("/run/tmax-jax")
+MAX_LOG_FILES = 32
+MAX_LOG_BYTES = 1 << 20
+# Joins the cgroup, opens the seccomp program (fd 3) and a pid namespace (fd 4), then execs the rest.
+_PREFIX = (
+    'exec 3<"$1" 4<"$2" || exit 125; shift 2; n=$1; shift; '
+    'while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 125; shift; n=$((n-1)); done; exec "$@"'
+)
 
 
 @dataclass(frozen=True)
@@ -39,7 +78,7 @@ class BwrapImage:
 
 
 def bwrap_available() -> bool:
-    return shutil.which("bwrap") is not None and shutil.which("nsenter") is not None
+    return all(shutil.which(b) is not None for b in ("bwrap", "nsenter", "unshare", "prlimit"))
 
 
 class BwrapSandbox(Sandbox):
@@ -52,38 +91,74 @@ class BwrapSandbox(Sandbox):
         self.rootfs = rootfs.resolve(
             image.rootfs if image.rootfs != "host" else cfg.rootfs, cfg.writable_paths
         )
-        self.state = self.run_dir / "state"
         self.is_root = os.geteuid() == 0
+        self.stage = STAGE_ROOT / self.id if self.is_root else self.run_dir
+        self.state = self.stage / "state"
+        self._staged: list[Path] = []
+        self._base_args: tuple[str, ...] = ()
+        self._late_args: tuple[str, ...] = ()
         self.cg: cgroup.Cgroup | None = None
         self.init: subprocess.Popen | None = None
         self.child_pid: int | None = None
+        self._bpf = self.run_dir / "seccomp.bpf"
+        self._verifications = 0
 
     def _owner_extra(self) -> dict:
-        return {"cgroup": self.cg.name if self.cg else None}
+        return {
+            "cgroup": self.cg.name if self.cg else None,
+            "stage": str(self.stage) if self.is_root else None,
+        }
+
+    # ---- ownership -------------------------------------------------------------------------------
+    def _host_id(self, inner: int) -> int:
+        """The host uid/gid that ``inner`` (a uid/gid inside the sandbox) is stored as."""
+        return SUBID_BASE + inner if self.is_root else (os.geteuid() if inner == 0 else inner)
+
+    def _give_to_sandbox(self, path: Path) -> None:
+        """Make host-created files under ``path`` belong to the sandbox's root (ids shifted into U)."""
+        if not self.is_root:
+            return
+        for root, dirs, files in os.walk(path):
+            for name in [root, *(os.path.join(root, n) for n in dirs + files)]:
+                st = os.lstat(name)
+                uid = st.st_uid if st.st_uid >= SUBID_BASE else SUBID_BASE + min(st.st_uid, SUBID_COUNT - 1)
+                gid = st.st_gid if st.st_gid >= SUBID_BASE else SUBID_BASE + min(st.st_gid, SUBID_COUNT - 1)
+                if (uid, gid) != (st.st_uid, st.st_gid):
+                    os.lchown(name, uid, gid)
 
     # ---- start -----------------------------------------------------------------------------------
     def _start(self) -> None:
         if not bwrap_available():
             raise SandboxError(
-                "bwrap backend needs the 'bwrap' and 'nsenter' binaries (apt install bubblewrap util-linux)"
+                "bwrap backend needs the 'bwrap', 'nsenter', 'unshare' and 'prlimit' binaries "
+                "(apt install bubblewrap util-linux)"
             )
         cfg = self.cfg
         if cfg.use_cgroups and cgroup.available():
             self.cg = cgroup.Cgroup(self.id)
             self.cg.create(pids_max=cfg.pids_max, memory_mb=cfg.memory_mb, cpus=cfg.cpus)
             self._write_owner()
+        if self.is_root:
+            _make_stage_root()
+            self.stage.mkdir(mode=0o700)
+            os.chown(self.stage, SUBID_BASE, SUBID_BASE)
+            self._write_owner()
         self.state.mkdir()
         if self.is_root:
-            # A size-limited tmpfs makes the disk limit hold for every writable path at once.
+            # A size-limited tmpfs makes the disk limit hold for every writable path at once,
+            # /tmp, /run and /dev/shm included; its root belongs to the sandbox's root.
+            opts = f"size={cfg.disk_mb}m,mode=0700,uid={SUBID_BASE},gid={SUBID_BASE}"
             r = subprocess.run(
-                ["mount", "-t", "tmpfs", "-o", f"size={cfg.disk_mb}m,mode=0755", "tmpfs", str(self.state)],
-                capture_output=True,
-                text=True,
+                ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(self.state)], capture_output=True, text=True
             )
             if r.returncode != 0:
                 raise SandboxError(f"could not mount the state tmpfs: {r.stderr.strip()}")
         for w in cfg.writable_paths:
             (self.state / w.lstrip("/")).mkdir(parents=True, exist_ok=True)
+        for s in SCRATCH:
+            d = self._scratch_dir(s)
+            d.mkdir(parents=True, exist_ok=True)
+            d.chmod(0o1777)
         if self.image.layer is not None:
             src = Path(self.image.layer) / "fs"
             if src.is_dir():
@@ -94,26 +169,76 @@ class BwrapSandbox(Sandbox):
                 )
                 if r.returncode != 0:
                     raise SandboxError(f"copying layer {self.image.layer} failed: {r.stderr.strip()[-500:]}")
-        args = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
-        if cfg.network:
-            args.append("--share-net")
-        if not self.is_root:
-            args += ["--unshare-user", "--uid", "0", "--gid", "0"]
-        args += ["--hostname", "tmax-sandbox"]
-        args += list(self.rootfs.args)
-        args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/dev/shm"]
-        args += ["--size", str(cfg.disk_mb << 20), "--tmpfs", "/tmp", "--tmpfs", "/run"]
-        for w in sorted(cfg.writable_paths, key=lambda p: p.count("/")):
-            args += ["--bind", str(self.state / w.lstrip("/")), w]
-        args += list(self.rootfs.late_args)
-        # bwrap's own root is a tmpfs holding the symlinks and mount points: make it read-only too.
-        args += ["--remount-ro", "/"]
-        r_fd, w_fd = os.pipe()
+        self._give_to_sandbox(self.state)
+        self._base_args = self._reachable(self.rootfs.args)
+        self._late_args = self._reachable(self.rootfs.late_args)
+        seccomp.write_program(self._bpf)
+        self._start_holder()
+
+    def _reachable(self, args: tuple[str, ...]) -> tuple[str, ...]:
+        """``args`` with each bind source that root of the user namespace cannot reach (a path
+        under a directory closed to others, e.g. /root) replaced by a read-only bind in the stage."""
+        out = list(args)
+        for i, a in enumerate(out[:-2]):
+            if a in ("--ro-bind", "--bind") and self.is_root and not _reachable_by_others(out[i + 1]):
+                dst = self.stage / f"src{len(self._staged)}"
+                dst.mkdir()
+                for cmd in (["--bind", out[i + 1]], ["-o", "remount,bind,ro"]):
+                    r = subprocess.run(["mount", *cmd, str(dst)], capture_output=True, text=True)
+                    if r.returncode != 0:
+                        raise SandboxError(
+                            f"could not stage {out[i + 1]} for the sandbox: {r.stderr.strip()}"
+                        )
+                    if cmd[0] == "--bind":
+                        self._staged.append(dst)
+                out[i + 1], out[i] = str(dst), "--ro-bind"
+        return tuple(out)
+
+    def _scratch_dir(self, path: str) -> Path:
+        return self.state / STATE_INTERNAL / path.lstrip("/")
+
+    def _start_holder(self) -> None:
+        cfg = self.cfg
+        userns_holder = None
+        if self.is_root:
+            # Host root may write any id map: give the sandbox a range of unprivileged host ids.
+            userns_holder = subprocess.Popen(
+                ["unshare", "--user", "--", "sleep", "infinity"],
+                env={"PATH": BASE_PATH},
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+            enter = self._join_userns(userns_holder)
+            userns_args: list[str] = []
+        else:
+            enter = []
+            userns_args = ["--unshare-user", "--uid", "0", "--gid", "0"]
+        args = [
+            "bwrap",
+            *userns_args,
+            "--unshare-pid",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+        ]
+        if not cfg.network:
+            args.append("--unshare-net")
+        args += ["--die-with-parent", "--new-session", "--hostname", "tmax-sandbox"]
+        args += [*self._base_args, "--proc", "/proc", "--dev", "/dev", *self._late_args]
+        args += ["--cap-drop", "ALL", "--clearenv", "--setenv", "PATH", BASE_PATH]
+        r_fd, w_low = os.pipe()
+        # Above the fds the prefix opens (3, 4), so they cannot clobber it.
+        w_fd = fcntl.fcntl(w_low, fcntl.F_DUPFD, 10)
+        os.close(w_low)
         # The info fd is written before the mounts are done; the "ready" line comes after them.
         args += ["--info-fd", str(w_fd), "--", "/bin/sh", "-c", "echo tmax-ready; exec sleep infinity"]
         try:
+            # A clean environment: pid 1's /proc/1/environ is readable inside and must hold nothing.
             self.init = subprocess.Popen(
-                self._host_prefix() + args,
+                self._host_prefix(self.cg) + enter + args,
+                env={"PATH": BASE_PATH},
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -122,38 +247,99 @@ class BwrapSandbox(Sandbox):
             )
         finally:
             os.close(w_fd)
-        info = b""
-        with os.fdopen(r_fd, "rb") as f:
-            info = f.read()  # bwrap closes the fd once the sandbox is set up (or on failure)
         try:
-            self.child_pid = int(json.loads(info)["child-pid"])
-        except (ValueError, KeyError) as e:
-            err = self.init.stderr.read().decode(errors="replace") if self.init.poll() is not None else ""
-            raise SandboxError(f"bwrap failed to start: {err.strip() or info!r}") from e
-        ready = self.init.stdout.readline()
-        self.init.stdout.close()
-        if ready.strip() != b"tmax-ready":
-            err = self.init.stderr.read().decode(errors="replace") if self.init.poll() is not None else ""
-            raise SandboxError(f"bwrap sandbox did not come up: {err.strip() or ready!r}")
+            with os.fdopen(r_fd, "rb") as f:
+                info = f.read()  # bwrap closes the fd once the sandbox is set up (or on failure)
+            try:
+                self.child_pid = int(json.loads(info)["child-pid"])
+            except (ValueError, KeyError) as e:
+                err = self.init.stderr.read().decode(errors="replace") if self.init.poll() is not None else ""
+                raise SandboxError(f"bwrap failed to start: {err.strip() or info!r}") from e
+            ready = self.init.stdout.readline()
+            self.init.stdout.close()
+            if ready.strip() != b"tmax-ready":
+                err = self.init.stderr.read().decode(errors="replace") if self.init.poll() is not None else ""
+                raise SandboxError(f"bwrap sandbox did not come up: {err.strip() or ready!r}")
+        finally:
+            if userns_holder is not None:  # the holder's namespaces keep U alive from here on
+                kill_tree(userns_holder.pid)
+                userns_holder.wait()
+                userns_holder.stderr.close()
 
-    def _host_prefix(self) -> list[str]:
-        """Join the sandbox cgroup, then set rlimits, then exec the rest (children inherit both)."""
+    def _join_userns(self, holder: subprocess.Popen) -> list[str]:
+        """Write the id maps of ``holder``'s new user namespace; the argv prefix that enters it as root."""
+        ns = f"/proc/{holder.pid}/ns/user"
+        deadline = time.monotonic() + 10.0
+        while True:  # unshare(1) has created the namespace once its ns link differs from ours
+            try:
+                if os.readlink(ns) != os.readlink("/proc/self/ns/user"):
+                    break
+            except OSError:
+                pass
+            if holder.poll() is not None or time.monotonic() > deadline:
+                err = holder.stderr.read().decode(errors="replace") if holder.poll() is not None else ""
+                raise SandboxError(
+                    f"could not create the sandbox's user namespace: {err.strip() or 'timeout'}"
+                )
+            time.sleep(0.001)
+        mapping = f"0 {SUBID_BASE} {SUBID_COUNT}\n"
+        try:
+            for name in ("uid_map", "gid_map"):
+                with open(f"/proc/{holder.pid}/{name}", "w") as f:
+                    f.write(mapping)
+        except OSError as e:
+            raise SandboxError(f"could not map ids into the sandbox's user namespace: {e}") from e
+        return ["nsenter", f"--user={ns}", "-S", "0", "-G", "0", "--"]
+
+    def _host_prefix(self, cg: cgroup.Cgroup | None, pidns: str = "/dev/null") -> list[str]:
+        """Join ``cg``, open the seccomp program (fd 3) and ``pidns`` (fd 4), set rlimits, exec the rest."""
         cfg = self.cfg
-        prefix: list[str] = []
-        if self.cg is not None:
-            files = self.cg.procs_files
-            prefix = [
-                "/bin/sh",
-                "-c",
-                'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 125; shift; n=$((n-1)); done; exec "$@"',
-                "tmax-cg",
-                str(len(files)),
-                *files,
-            ]
+        files = cg.procs_files if cg is not None else []
         limits = [f"--nofile={cfg.nofile}", f"--fsize={cfg.disk_mb << 20}"]
-        if self.cg is None:
+        if cg is None:
             limits += [f"--nproc={cfg.pids_max}", f"--as={cfg.memory_mb << 20}"]
-        return prefix + ["prlimit", *limits, "--"]
+        bpf = str(self._bpf) if self._bpf.exists() else "/dev/null"
+        return [
+            "/bin/sh",
+            "-c",
+            _PREFIX,
+            "tmax-exec",
+            bpf,
+            pidns,
+            str(len(files)),
+            *files,
+            "prlimit",
+            *limits,
+            "--",
+        ]
+
+    def _enter(self, namespaces: tuple[str, ...]) -> list[str]:
+        """nsenter into the holder's ``namespaces`` (user first), as root of the user namespace."""
+        ns = ["nsenter", "-t", str(self.child_pid), *(f"--{n}" for n in namespaces)]
+        ns += ["-S", "0", "-G", "0"] if self.is_root else ["--preserve-credentials"]
+        return ns + ["--"]
+
+    def _mount_tree(self, extra: dict[str, Path] | None = None) -> list[str]:
+        """bwrap mount args: the base read-only, the state's writable paths, then ``extra`` binds."""
+        binds = {w: self.state / w.lstrip("/") for w in self.cfg.writable_paths}
+        binds.update({s: self._scratch_dir(s) for s in SCRATCH})
+        binds.update(extra or {})
+        args = [*self._base_args, "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--dev", "/dev"]
+        for dest in sorted(binds, key=lambda p: p.count("/")):
+            args += ["--bind", str(binds[dest]), dest]
+        args += list(self._late_args)
+        # bwrap's own root is a tmpfs holding the symlinks and mount points: make it read-only too.
+        return args + ["--remount-ro", "/"]
+
+    def _command(self, env: dict[str, str], cwd: str, argv: list[str]) -> list[str]:
+        """bwrap args shared by commands and verifiers: capabilities, seccomp, clean env, cwd."""
+        out = ["--seccomp", "3", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+        for cap in CAPS:
+            out += ["--cap-add", cap]
+        out.append("--clearenv")
+        for k, v in env.items():
+            out += ["--setenv", k, v]
+        return out + ["--chdir", cwd, "--", *argv]
 
     # ---- commands --------------------------------------------------------------------------------
     def _backend_env(self) -> dict[str, str]:
@@ -165,13 +351,47 @@ class BwrapSandbox(Sandbox):
     def _exec_argv(self, argv: list[str], env: dict[str, str], cwd: str, interactive: bool) -> list[str]:
         if self.child_pid is None or not self._alive():
             raise SandboxError(f"sandbox {self.id} is not running")
-        ns = ["nsenter", "-t", str(self.child_pid), "-m", "-u", "-i", "-n", "-p", "-C", "-r"]
-        if not self.is_root:
-            ns.insert(3, "-U")
-            ns.insert(4, "--preserve-credentials")
-        drop = ["/usr/bin/setpriv", "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs", "--"]
-        envv = ["/usr/bin/env", "-i", "-C", cwd, *(f"{k}={v}" for k, v in env.items())]
-        return self._host_prefix() + ns + ["--"] + drop + envv + argv
+        return (
+            self._host_prefix(self.cg, f"/proc/{self.child_pid}/ns/pid")
+            + self._enter(("user", "net", "ipc", "uts", "cgroup"))
+            + ["bwrap", "--pidns", "4", *self._mount_tree()]
+            + self._command(env, cwd, argv)
+        )
+
+    def run_verifier(self, tests_dir, argv, *, timeout, env=None) -> VerifierRun:
+        if self.child_pid is None or not self._alive():
+            raise SandboxError(f"sandbox {self.id} is not running")
+        timeout = self.clamp_timeout(timeout)
+        self._verifications += 1
+        # In the state tmpfs (reachable by the sandbox's root) but in no agent mount namespace.
+        vdir = self.state / STATE_INTERNAL / f"verifier-{self._verifications}"
+        tests, logs = vdir / "tests", vdir / "logs"
+        cg = None
+        try:
+            shutil.copytree(tests_dir, tests, symlinks=True)
+            (logs / "verifier").mkdir(parents=True)
+            self._give_to_sandbox(vdir)
+            if self.cg is not None:
+                # Its own limits: a fork bomb the agent left running cannot starve the verifier.
+                cg = cgroup.Cgroup(f"{self.id}-v{self._verifications}")
+                cg.create(pids_max=self.cfg.pids_max, memory_mb=self.cfg.memory_mb, cpus=self.cfg.cpus)
+            host_argv = (
+                self._host_prefix(cg)
+                + self._enter(("user", "net"))
+                + ["bwrap", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+                + self._mount_tree({"/tests": tests, "/logs": logs})
+                + self._command(self.verifier_environment(env), "/tests", list(argv))
+            )
+            got = run_capped(
+                host_argv, timeout=timeout, cap=self.cfg.max_output_bytes, env={"PATH": BASE_PATH}
+            )
+            self.exec_durations.append(got.duration_s)
+            return VerifierRun(exec_result(got, self.cfg.max_output_bytes), _read_logs(logs / "verifier"))
+        finally:
+            if cg is not None:
+                cg.kill_all()
+                cg.remove()
+            shutil.rmtree(vdir, ignore_errors=True)
 
     def shell_mark(self, session):
         # The shell's current descendants (earlier background jobs), found on the host side.
@@ -222,6 +442,8 @@ class BwrapSandbox(Sandbox):
                 pass
             if self.init.stderr:
                 self.init.stderr.close()
+            if self.init.stdout and not self.init.stdout.closed:
+                self.init.stdout.close()
         if self.child_pid is not None:
             # pid 1 of the namespace lingers in the kernel until every member is reaped.
             deadline = time.monotonic() + 10.0
@@ -230,9 +452,69 @@ class BwrapSandbox(Sandbox):
         if self.cg is not None:
             self.cg.kill_all()
             self.cg.remove()
+        if self.is_root:
+            remove_stage(self.stage)
 
     def memory_peak_bytes(self) -> int | None:
         return self.cg.memory_peak_bytes() if self.cg else None
+
+
+def _make_stage_root() -> None:
+    try:
+        STAGE_ROOT.mkdir(mode=0o711, parents=True)
+    except FileExistsError:
+        pass
+    st = os.lstat(STAGE_ROOT)
+    if not os.path.stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+        raise SandboxError(f"{STAGE_ROOT} must be a directory owned by root and writable only by it")
+    if st.st_mode & 0o777 != 0o711:
+        os.chmod(STAGE_ROOT, 0o711)
+
+
+def remove_stage(stage: Path) -> None:
+    """Unmount everything under a sandbox's stage dir (deepest first) and remove it."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            points = [line.split()[4] for line in f]
+    except OSError:
+        points = []
+    prefix = str(stage).rstrip("/") + "/"
+    for mp in sorted((m for m in points if m.startswith(prefix)), key=len, reverse=True):
+        subprocess.run(["umount", "-l", mp], capture_output=True)
+    shutil.rmtree(stage, ignore_errors=True)
+
+
+def _reachable_by_others(path: str) -> bool:
+    """Whether a process with no relation to the owners may look up ``path`` (every ancestor o+x)."""
+    p = Path(path)
+    for d in [*reversed(p.parents), p]:
+        try:
+            if not os.stat(d).st_mode & 0o001:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def _read_logs(d: Path) -> dict[str, bytes]:
+    """The regular files directly in ``d`` (never following links), each cut at ``MAX_LOG_BYTES``."""
+    out: dict[str, bytes] = {}
+    try:
+        names = sorted(os.listdir(d))[:MAX_LOG_FILES]
+    except OSError:
+        return out
+    for name in names:
+        try:
+            fd = os.open(d / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            if not os.path.stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
+            out[name] = os.read(fd, MAX_LOG_BYTES)
+        finally:
+            os.close(fd)
+    return out
 
 
 def _host_pid_of(root: int, ns_pid: int | None) -> int | None:

@@ -118,6 +118,10 @@ def cleanup_record(run_dir: Path, rec: dict) -> None:
         cg = cgroup.Cgroup(rec["cgroup"])
         cg.kill_all()
         cg.remove()
+    if rec.get("stage"):
+        from tmax_jax.sandbox.bwrap import remove_stage
+
+        remove_stage(Path(rec["stage"]))
     state = run_dir / "state"
     if os.path.ismount(state):
         subprocess.run(["umount", "-l", str(state)], capture_output=True)
