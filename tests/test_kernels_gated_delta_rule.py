@@ -210,6 +210,26 @@ def test_dispatch_by_backend_and_override():
     assert "pallas_call" in str(jax.make_jaxpr(pallas)(q, k, v, g, beta, s0))
 
 
+def test_under_a_mesh_each_device_runs_its_rows_and_heads():
+    """8 fake CPU devices, data=2 x fsdp=2 x tensor=2: the kernels run in a shard_map (rows over
+    data and fsdp, heads over tensor) and still match the unsharded JAX path, values and VJP."""
+    from tmax_jax.sharding import MeshConfig, make_mesh
+
+    q, k, v, g, beta, s0, do, ds = make_inputs(7, B=4, T=24, H=2, K=16, V=16)
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2), jax.devices())
+    with jax.set_mesh(mesh):
+        sharded = jax.jit(lambda *a: chunked_gated_delta_rule(*a, None, 16, kernels="pallas"))
+        assert "shard_map" in str(jax.make_jaxpr(sharded)(q, k, v, g, beta, s0))
+        got = vjp(sharded, q, k, v, g, beta, s0, do, ds)
+        o = sharded(*(jnp.asarray(x) for x in (q, k, v, g, beta, s0)))[0]
+        rows_heads = jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec(("data", "fsdp"), None, "tensor")
+        )
+        assert o.sharding.is_equivalent_to(rows_heads, o.ndim)
+    want = vjp(jax.jit(lambda *a: jax_chunked(*a, None, 16)), q, k, v, g, beta, s0, do, ds)
+    assert_close(got, want, 2e-6, 2e-5, "sharded vs jax path")
+
+
 def test_config_kernels_field():
     cfg = Qwen35Config.preset("tiny")
     assert cfg.kernels == "auto"

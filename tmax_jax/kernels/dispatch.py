@@ -7,11 +7,20 @@
 
 The backend is read when the call is traced (``jax.default_backend()``), like the JAX path's matmul
 precision.
+
+Under a mesh (``jax.set_mesh``) the kernels run inside ``jax.shard_map``: rows split over the batch
+axes, value heads over the axis the rules table gives ``lin_v_heads``. The rule is independent per
+row and per head, so each device runs the kernels on its own slice; without this, XLA would have to
+gather the whole batch onto every device to run a custom call it cannot partition.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from tmax_jax.kernels.gated_delta_rule import pallas_chunked_gated_delta_rule
 
@@ -37,6 +46,44 @@ def resolve_kernels(kernels: str, backend: str | None = None) -> tuple[str, str 
     return "pallas", backend if on_accelerator else "tpu", not on_accelerator
 
 
+def _mesh_axes(batch: int, heads: int) -> tuple[tuple[str, ...], str | None]:
+    """(mesh axes splitting the rows, mesh axis splitting the heads) for the current mesh; an axis
+    that does not divide its dimension is left out (the slice stays whole, as the params' rules do)."""
+    from tmax_jax.sharding import BATCH_AXES, DEFAULT_RULES
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return (), None
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    rows = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+    if batch % math.prod(sizes[a] for a in rows):
+        rows = ()
+    head_axis = dict(DEFAULT_RULES).get("lin_v_heads")
+    if sizes.get(head_axis, 1) <= 1 or heads % sizes[head_axis]:
+        head_axis = None
+    return rows, head_axis
+
+
+def _sharded_pallas(args, **kw):
+    q, k, v, g, beta, s0, groups = args
+    B, T, H, K = q.shape
+    rows, head_axis = _mesh_axes(B, H)
+    if not rows and head_axis is None:
+        return pallas_chunked_gated_delta_rule(*args, **kw)
+    if s0 is None:
+        s0 = jnp.zeros((B, H, K, v.shape[-1]), jnp.float32)
+    if groups is None:
+        groups = jnp.zeros((B, T), jnp.int32)
+    b = rows or None
+    btd, bt, bhkv = P(b, None, head_axis, None), P(b, None, head_axis), P(b, head_axis, None, None)
+    return jax.shard_map(
+        lambda *a: pallas_chunked_gated_delta_rule(*a, **kw),
+        in_specs=(btd, btd, btd, bt, bt, bhkv, P(b, None)),
+        out_specs=(btd, bhkv),
+        check_vma=False,  # pallas_call carries no varying-axes annotations
+    )(q, k, v, g, beta, s0, groups)
+
+
 def chunked_gated_delta_rule(
     q_BxTxHxK: jax.Array,
     k_BxTxHxK: jax.Array,
@@ -57,4 +104,4 @@ def chunked_gated_delta_rule(
         from tmax_jax.models.qwen35.delta_rule import chunked_gated_delta_rule as jax_delta_rule
 
         return jax_delta_rule(*args, chunk_size=chunk_size)
-    return pallas_chunked_gated_delta_rule(*args, chunk_size=chunk_size, backend=backend, interpret=interpret)
+    return _sharded_pallas(args, chunk_size=chunk_size, backend=backend, interpret=interpret)
