@@ -140,7 +140,7 @@ def test_verifier_without_reward(cfg, tmp_path):
         tmp_path / "b", "#!/bin/bash\nmkdir -p /logs/verifier; echo banana > /logs/verifier/reward.txt\n"
     )
     res = run_task(load_task(d2), "oracle", cfg)
-    assert res.reward == 0.0 and "unreadable reward.txt" in res.reason
+    assert res.reward == 0.0 and "invalid reward: reward.txt is not a finite decimal number" in res.reason
     d3 = _harbor_copy(
         tmp_path / "c",
         "#!/bin/bash\nmkdir -p /logs/verifier; echo '{\"reward\": 0.25}' > /logs/verifier/reward.json\n",

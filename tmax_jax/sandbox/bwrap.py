@@ -369,6 +369,7 @@ class BwrapSandbox(Sandbox):
         cg = None
         try:
             shutil.copytree(tests_dir, tests, symlinks=True)
+            tests.chmod(0o755)
             (logs / "verifier").mkdir(parents=True)
             self._give_to_sandbox(vdir)
             if self.cg is not None:

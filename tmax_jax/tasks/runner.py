@@ -1,17 +1,23 @@
 """Run one task end to end: environment, initial-state test, agent (or oracle), verifier -> reward.
 
-Harbor order: the agent works first; only then are the task's tests copied to /tests (replacing
-whatever the agent left there) and ``/logs/verifier`` emptied, and ``tests/test.sh`` runs; the reward
-is read from ``/logs/verifier/reward.txt`` (a number) or ``reward.json``. TMAX: the initial-state test
-runs before the agent (a failure means a broken task: reward 0), and the verifier is
-``pytest test_final_state.py`` (reward 1 when it passes, or the graded reward it writes).
+Harbor order: the agent works first; then ``tests/test.sh`` runs through ``Sandbox.run_verifier``:
+over the agent's files and network (services the agent started keep running, as under Harbor), but
+with ``/tests`` and ``/logs/verifier`` in the verifier's own mount namespace and its processes out of
+the agent's sight, so nothing the agent runs can read the tests or write the reward. The reward is
+``/logs/verifier/reward.txt`` or ``reward.json`` under the contract of ``tasks/reward.py``. TMAX: the
+initial-state test runs before the agent (a failure means a broken task: reward 0), and the verifier
+is ``pytest test_final_state.py`` (reward 1 when it passes, or the graded reward it writes).
+
+``run_task`` never raises for what an agent or a task does: every failure is a reward of 0 with its
+reason, so one bad episode cannot stop a training run.
 """
 
 from __future__ import annotations
 
-import json
-import math
+import shutil
+import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -23,9 +29,10 @@ from tmax_jax.sandbox.config import SandboxConfig
 from tmax_jax.sandbox.shell import ShellSession
 from tmax_jax.tasks.environment import prepare_image, sandbox_config_for
 from tmax_jax.tasks.model import Task
+from tmax_jax.tasks.reward import parse_reward
 
 AgentFn = Callable[[Task, ShellSession], Any]
-PYTEST = "python3 -m pytest -q -rA -p no:cacheprovider"
+PYTEST = ("python3", "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider")
 LOG_CAP = 64 << 10
 
 
@@ -89,18 +96,37 @@ def run_task(
         return result(0.0, f"episode timeout: {e}")
     except TmaxError as e:
         return result(0.0, f"sandbox error: {e}")
+    except Exception as e:  # noqa: BLE001 - whatever an episode does, the run goes on with a 0
+        return result(0.0, f"episode failed: {type(e).__name__}: {e}", traceback.format_exc())
 
 
 def initial_state(task: Task, sb: Sandbox) -> tuple[bool, str, str]:
     """Run the TMAX initial-state test (if any): (ok, reason, log). The test file is removed after."""
     if task.initial_test is None:
         return True, "no initial-state test", ""
-    sb.upload(task.initial_test, "/tmp/tmax-initial/test_initial_state.py")
-    res = sb.exec(f"{PYTEST} /tmp/tmax-initial/test_initial_state.py", timeout=task.limits.verifier_timeout_s)
-    sb.exec("rm -rf /tmp/tmax-initial")
+    with _tests_dir(task.initial_test, "test_initial_state.py") as d:
+        vr = sb.run_verifier(
+            d, [*PYTEST, "/tests/test_initial_state.py"], timeout=task.limits.verifier_timeout_s
+        )
+    res = vr.result
     if res.ok:
         return True, "ok", res.output
     return False, "initial-state test timeout" if res.timed_out else "initial-state test failed", res.output
+
+
+class _tests_dir:
+    """A temporary host dir holding one test file under ``name`` (the TMAX layout's tests)."""
+
+    def __init__(self, src, name: str):
+        self.src, self.name = src, name
+
+    def __enter__(self):
+        self.dir = tempfile.mkdtemp(prefix="tmax-tests-")
+        shutil.copy(self.src, f"{self.dir}/{self.name}")
+        return self.dir
+
+    def __exit__(self, *exc):
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def run_oracle(task: Task, sb: Sandbox):
@@ -167,47 +193,25 @@ def _episode(task: Task, sb: Sandbox, agent, phases, result) -> TaskResult:
 
 def _verify(task: Task, sb: Sandbox) -> tuple[float, str, str]:
     lim = task.limits
-    # Replace anything the agent put in /tests or /logs/verifier (e.g. a fake reward file).
-    sb.exec("rm -rf /tests /logs/verifier; mkdir -p /tests /logs/verifier", cwd="/")
     if task.format == "harbor":
-        sb.upload(task.tests_dir, "/tests")
-        res = sb.exec("bash /tests/test.sh", timeout=lim.verifier_timeout_s)
-        log = res.output
-        if res.timed_out:
-            return 0.0, "verifier timeout", log
-        reward = _read_reward(sb)
-        if reward is None:
-            return 0.0, f"verifier wrote no reward (test.sh exit {res.exit_code})", log
+        vr = sb.run_verifier(task.tests_dir, ["/bin/bash", "/tests/test.sh"], timeout=lim.verifier_timeout_s)
     else:
-        sb.upload(task.final_test, "/tests/test_final_state.py")
-        res = sb.exec(f"{PYTEST} /tests/test_final_state.py", timeout=lim.verifier_timeout_s)
-        log = res.output
-        if res.timed_out:
-            return 0.0, "verifier timeout", log
-        reward = _read_reward(sb)
-        if reward is None:
-            reward = 1.0 if res.exit_code == 0 else 0.0
-    if isinstance(reward, str):
-        return 0.0, reward, log
-    return reward, "ok" if reward >= 1.0 else "verifier failed", log
-
-
-def _read_reward(sb: Sandbox) -> float | str | None:
-    """The verifier's reward, None when it wrote none, or a string saying why it is unreadable."""
-    for name in ("reward.txt", "reward.json"):
-        try:
-            raw = sb.read_file(f"/logs/verifier/{name}", max_bytes=1 << 20).decode(errors="replace").strip()
-        except SandboxError:
-            continue
-        try:
-            if name == "reward.txt":
-                value = float(raw.split()[0]) if raw else float("nan")
-            else:
-                data = json.loads(raw)
-                value = float(data["reward"] if isinstance(data, dict) else data)
-        except (ValueError, KeyError, TypeError, IndexError):
-            return f"unreadable {name}: {raw[:200]!r}"
-        if not math.isfinite(value):
-            return f"unreadable {name}: {raw[:200]!r}"
-        return value
-    return None
+        with _tests_dir(task.final_test, "test_final_state.py") as d:
+            vr = sb.run_verifier(d, [*PYTEST, "/tests/test_final_state.py"], timeout=lim.verifier_timeout_s)
+    res = vr.result
+    log = res.output
+    if vr.tampered:
+        return 0.0, f"verifier toolchain tampered with: {vr.tampered}", log
+    if res.timed_out:
+        return 0.0, "verifier timeout", log
+    reading = parse_reward(vr.logs)
+    if reading.error:
+        return 0.0, f"invalid reward: {reading.error}", log
+    if reading.value is None:
+        if task.format == "harbor":
+            return 0.0, f"verifier wrote no reward (test.sh exit {res.exit_code})", log
+        reward = 1.0 if res.exit_code == 0 else 0.0
+    else:
+        reward = reading.value
+    reason = "ok" if reward >= 1.0 else "verifier failed"
+    return reward, f"{reason} ({reading.note})" if reading.note else reason, log
