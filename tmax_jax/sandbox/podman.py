@@ -260,7 +260,13 @@ class PodmanSandbox(Sandbox):
             args += ["--read-only", "--read-only-tmpfs=false"]
             for p in ("/tmp", "/var/tmp", "/run"):
                 args += ["--tmpfs", f"{p}:rw,size={cfg.disk_mb}m,mode=1777"]
-        # /tmp stays on the root filesystem (as under Docker) so that the verifier sees it too.
+        # The verifier's mount points, held by empty read-only mounts in the agent's namespace: a
+        # mount point cannot be renamed or removed there, so the agent can neither detach the
+        # verifier's mounts (rename or unlink detaches a mount of another namespace) nor plant a
+        # symlink at their place. /tmp stays on the root filesystem (as under Docker) for the
+        # verifier to see.
+        for p in ("/tests", "/logs/verifier"):
+            args += ["--tmpfs", f"{p}:ro,size=4k,mode=0555"]
         args += [tag, "sleep", "infinity"]
         r = subprocess.run(args, capture_output=True, text=True, timeout=300)
         if r.returncode != 0:
