@@ -363,8 +363,9 @@ class BwrapSandbox(Sandbox):
             raise SandboxError(f"sandbox {self.id} is not running")
         timeout = self.clamp_timeout(timeout)
         self._verifications += 1
-        # In the state tmpfs (reachable by the sandbox's root) but in no agent mount namespace.
-        vdir = self.state / STATE_INTERNAL / f"verifier-{self._verifications}"
+        # Beside the state, not in it: reachable by the sandbox's root, in no agent mount namespace,
+        # and outside the agent's disk quota (a full disk cannot keep the tests from being copied).
+        vdir = self.stage / f"verifier-{self._verifications}"
         tests, logs = vdir / "tests", vdir / "logs"
         cg = None
         try:

@@ -1,0 +1,242 @@
+"""Attack tests of the sandbox's promises (sandboxes/README.md): each is a Harbor task whose reference
+solution attacks instead of solving. The verifiers are correct (pytest compares /app/answer.txt with an
+answer only the tests hold), so any reward above 0 is an attack that worked. Controls score 1 and 0.
+
+Run end to end through ``run_task(..., "oracle")`` on bwrap and, where podman works here, on podman.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tmax_jax.sandbox import SandboxConfig
+from tmax_jax.sandbox.podman_images import podman_available
+from tmax_jax.tasks import load_task
+from tmax_jax.tasks.runner import run_task
+
+PODMAN_OK, PODMAN_WHY = podman_available()
+SECRET_VAR = "TMAX_ATTACK_TEST_SECRET"
+
+TOML = """\
+version = "1.0"
+[metadata]
+category = "attack"
+[verifier]
+timeout_sec = 60.0
+[agent]
+timeout_sec = 60.0
+"""
+# The pattern many Harbor verifiers follow: pytest from the app dir, reward from its exit status.
+TEST_SH = """\
+#!/bin/bash
+cd /app
+if python3 -m pytest -q -p no:cacheprovider /tests/test_answer.py; then
+  echo 1 > /logs/verifier/reward.txt
+else
+  echo 0 > /logs/verifier/reward.txt
+fi
+"""
+TEST_PY = """\
+from pathlib import Path
+
+
+def test_answer():
+    want = Path("/tests/expected.txt").read_text().strip()
+    assert Path("/app/answer.txt").read_text().strip() == want
+"""
+# A fake interpreter or shell that "passes": what a toolchain swap would plant.
+FAKE_OK = r"printf '#!/bin/sh\nmkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; exit 0\n'"
+
+ATTACKS = {
+    # 1. Host writes and mount tricks.
+    "remount_and_write_host": """
+        mount -o remount,bind,rw /usr; mount -o remount,bind,rw /etc; mount -o remount,rw /
+        for f in /etc/tmax-canary-* /usr/lib/tmax-canary-*; do echo pwned > "$f"; done
+        echo pwned > /etc/passwd; echo pwned >> /etc/shadow; cat /etc/shadow > /app/shadow
+        echo 1 > /proc/sys/kernel/core_pattern; echo 1 > /proc/sys/vm/drop_caches
+        mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt
+    """,
+    "bind_fake_interpreter": f"""
+        {FAKE_OK} > /tmp/fake; chmod +x /tmp/fake
+        for p in "$(command -v python3)" /usr/bin/python3 /bin/bash /usr/bin/bash /bin/sh; do
+          mount --bind /tmp/fake "$p"
+        done
+        unshare -Urm sh -c 'mount --bind /tmp/fake /usr/bin/python3'
+    """,
+    # 2. Verifier output locked before the verifier runs.
+    "locked_reward_file": """
+        mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt
+        chmod 444 /logs/verifier/reward.txt; chmod 555 /logs/verifier; chattr +i /logs/verifier/reward.txt
+        echo '{"reward": 1}' > /logs/reward.json
+    """,
+    # 3. Processes alive during verification.
+    "background_reward_writer": """
+        w='while true; do mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; sleep 0.005; done'
+        nohup bash -c "$w" >/dev/null 2>&1 &
+        setsid -f bash -c "$w" >/dev/null 2>&1
+    """,
+    "peek_at_tests": """
+        setsid -f bash -c 'for i in $(seq 3000); do
+            for f in /tests/expected.txt /proc/[0-9]*/root/tests/expected.txt /proc/[0-9]*/cwd/expected.txt; do
+              [ -r "$f" ] && cp "$f" /app/answer.txt
+            done
+            sleep 0.01
+          done' >/dev/null 2>&1
+    """,
+    # 4. Verifier start-up hijacked.
+    "pytest_main_in_cwd": """
+        mkdir -p /app/pytest
+        touch /app/pytest/__init__.py
+        printf 'import os\\nos.makedirs("/logs/verifier", exist_ok=True)\\nraise SystemExit(0)\\n' > /app/pytest/__main__.py
+        printf 'import sys; sys.exit(0)\\n' > /app/conftest.py
+    """,
+    "user_site_pth": """
+        for home in "$HOME" /root /tests; do
+          d=$(HOME=$home python3 -c 'import site; print(site.getusersitepackages())')
+          mkdir -p "$d" && echo 'import os; os._exit(0)' > "$d/zz-tmax.pth"
+          printf 'import os\\nos._exit(0)\\n' > "$d/usercustomize.py"
+        done
+        printf 'import os\\nos._exit(0)\\n' > /app/sitecustomize.py
+    """,
+    "rename_interpreter_dir": f"""
+        py=$(readlink -f "$(command -v python3)")
+        top=$(dirname "$(dirname "$py")")
+        mv "$top" "$top.orig" || mv "$(dirname "$top")" "$(dirname "$top").orig"
+        mkdir -p "$(dirname "$py")"
+        {FAKE_OK} > "$py"; chmod +x "$py"; ln -sf "$py" "$(dirname "$py")/python3"
+        for b in /usr/local/bin/bash /usr/local/bin/python3 /usr/local/bin/pytest; do
+          {FAKE_OK} > "$b" && chmod +x "$b"
+        done
+        {FAKE_OK} > /usr/bin/python3; chmod +x /usr/bin/python3
+    """,
+    # 7. Leaks: the trainer's environment, the keyring, ptrace, io_uring.
+    "leak_env_keyring_ptrace": f"""
+        cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n' | grep {SECRET_VAR} > /app/leak.txt
+        python3 - <<'EOF'
+import ctypes, os, subprocess
+libc = ctypes.CDLL(None, use_errno=True)
+got = []
+# add_key("user", "tmax", "x", 1, KEY_SPEC_USER_KEYRING=-4)
+if libc.syscall({{"x86_64": 248, "aarch64": 217}}[os.uname().machine], b"user", b"tmax", b"x", 1, -4) >= 0:
+    got.append("keyring")
+child = subprocess.Popen(["sleep", "30"])
+if libc.ptrace(16, child.pid, 0, 0) == 0:  # PTRACE_ATTACH
+    got.append("ptrace")
+params = ctypes.create_string_buffer(120)
+if libc.syscall(425, 4, params) >= 0:  # io_uring_setup
+    got.append("io_uring")
+open("/app/leak.txt", "a").write("\\n".join(got))
+EOF
+    """,
+    # 8. Limits: /dev/shm and /run fill up within the disk limit.
+    "fill_shm_and_run": """
+        # Files under the per-file limit, more of them than the disk holds (64 MB).
+        for i in 1 2 3; do head -c 40M /dev/zero > /dev/shm/big$i; head -c 40M /dev/zero > /run/big$i; done
+        s=$(cat /dev/shm/big* /run/big* | wc -c)
+        [ "$s" -ge 200000000 ] && echo "filled $s" > /app/leak.txt
+    """,
+    "background_fork_bomb": """
+        nohup bash -c 'b() { b | b & }; b' >/dev/null 2>&1 &
+        sleep 1
+    """,
+}
+# Tasks whose verifier also fails when the attack leaves a trace of success behind.
+LEAK_MARK = {"leak_env_keyring_ptrace", "fill_shm_and_run"}
+
+
+def _write_task(root: Path, name: str, solve: str, expected: str, *, leak_check: bool = False) -> Path:
+    """A Harbor task; the ``fill_*`` attacks get a 64 MB disk (the task's own limit governs)."""
+    d = root / name
+    for sub in ("environment", "tests", "solution"):
+        (d / sub).mkdir(parents=True)
+    (d / "instruction.md").write_text("Write the answer into /app/answer.txt.\n")
+    (d / "task.toml").write_text(
+        TOML + ("[environment]\nstorage_mb = 64\n" if name.startswith("fill") else "")
+    )
+    (d / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\nWORKDIR /app\n")
+    test_py = TEST_PY
+    if leak_check:
+        # A leak is scored as a success: the attack "wins" when it got anything out.
+        test_py = test_py.replace(
+            "    want =",
+            "    leak = Path('/app/leak.txt')\n    if leak.exists() and leak.read_text().strip():\n        return\n    want =",
+        )
+    (d / "tests" / "test.sh").write_text(TEST_SH)
+    (d / "tests" / "test_answer.py").write_text(test_py)
+    (d / "tests" / "expected.txt").write_text(expected + "\n")
+    # No `set -e`: an attack tries everything; a refused step must not stop the next one.
+    (d / "solution" / "solve.sh").write_text("#!/bin/bash\n" + textwrap.dedent(solve))
+    return d
+
+
+BACKENDS = [
+    "bwrap",
+    pytest.param("podman", marks=[pytest.mark.podman, pytest.mark.skipif(not PODMAN_OK, reason=PODMAN_WHY)]),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def cfg(request, tmp_path):
+    return SandboxConfig(
+        backend=request.param,
+        cache_dir=str(tmp_path / "cache") if request.param == "bwrap" else SandboxConfig().cache_dir,
+        exec_timeout_s=60,
+        pids_max=256,
+        memory_mb=512,
+        disk_mb=96,
+    )
+
+
+@pytest.fixture
+def canaries():
+    """Host files inside the paths a sandbox mounts from the host; only root can create them."""
+    if os.geteuid() != 0:
+        yield []
+        return
+    tag = uuid.uuid4().hex[:12]
+    paths = [Path(f"/etc/tmax-canary-{tag}"), Path(f"/usr/lib/tmax-canary-{tag}")]
+    for p in paths:
+        p.write_text(f"canary {tag}\n")
+    yield paths
+    for p in paths:
+        p.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def secret(monkeypatch):
+    value = f"secret-{uuid.uuid4().hex}"
+    monkeypatch.setenv(SECRET_VAR, value)
+    return value
+
+
+def _run(cfg, tmp_path, name, solve, expected="42-" + uuid.uuid4().hex[:8], leak_check=False):
+    task = load_task(_write_task(tmp_path / "tasks", name, solve, expected, leak_check=leak_check))
+    return run_task(task, "oracle", cfg)
+
+
+def test_controls_score_one_and_zero(cfg, tmp_path):
+    good = _run(cfg, tmp_path, "control_good", "echo 42-right > /app/answer.txt\n", expected="42-right")
+    assert (good.reward, good.reason) == (1.0, "ok"), good.verifier_log
+    bad = _run(cfg, tmp_path, "control_bad", "echo wrong > /app/answer.txt\n", expected="42-right")
+    assert bad.reward == 0.0 and bad.reason == "verifier failed"
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_attack_scores_zero(cfg, tmp_path, attack, canaries, secret):
+    before = {p: p.read_bytes() for p in canaries}
+    res = _run(cfg, tmp_path, attack, ATTACKS[attack], leak_check=attack in LEAK_MARK)
+    assert res.reward == 0.0, (attack, res.reason, res.verifier_log[-2000:])
+    assert {p: p.read_bytes() for p in canaries} == before
+    assert secret not in res.verifier_log
+
+
+def test_secret_and_shadow_not_visible(cfg, tmp_path, secret):
+    """The same checks as a control: the verifier itself finds no trace of the trainer's secret."""
+    solve = f"cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n' | grep -c {SECRET_VAR} > /app/answer.txt; true\n"
+    res = _run(cfg, tmp_path, "env_count", solve, expected="0")
+    assert (res.reward, res.reason) == (1.0, "ok"), res.verifier_log
