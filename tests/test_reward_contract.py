@@ -1,7 +1,7 @@
 """The reward contract (tmax_jax/tasks/reward.py) and the advantages' refusal of non-finite values.
 
-Expected values are written out from the contract in reward.py's docstring; the clamping and the
-advantages are checked against NumPy float64.
+Expected values are written out from the contract in reward.py's docstring; the range rule ([0, 1] as
+is, within 1e-6 clamped, else an error) and the advantages are checked against NumPy float64.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from tmax_jax.errors import ConfigError
 from tmax_jax.rl import group_advantages
 from tmax_jax.rl.advantages import NonFiniteAdvantageError
-from tmax_jax.tasks.reward import MAX_TXT_BYTES, RewardReading, parse_reward
+from tmax_jax.tasks.reward import MAX_TXT_BYTES, REWARD_TOLERANCE, RewardReading, parse_reward
 
 TXT_OK = [
     (b"1", 1.0, None),
@@ -27,10 +27,11 @@ TXT_OK = [
     (b".75", 0.75, None),
     (b"+1.", 1.0, None),
     (b"-0", 0.0, None),
-    (b"1.5", 1.0, "reward 1.5 clamped to 1"),
-    (b"-1", 0.0, "reward -1 clamped to 0"),
-    (b"1e308", 1.0, "reward 1e+308 clamped to 1"),
-    (b"-1e308", 0.0, "reward -1e+308 clamped to 0"),
+    # Float rounding in a graded verifier: within 1e-6 of [0, 1], clamped and noted.
+    (b"1.0000000001", 1.0, "reward 1.0000000001 clamped to 1"),
+    (b"-1e-9", 0.0, "reward -1e-09 clamped to 0"),
+    (b"1.000001", 1.0, "reward 1.000001 clamped to 1"),
+    (b"-0.000001", 0.0, "reward -1e-06 clamped to 0"),
 ]
 
 
@@ -60,6 +61,14 @@ TXT_BAD = [
     (b"1\x00", "not a finite decimal number"),
     (b"\xff\xfe1", "not UTF-8"),
     (b"1" + b" " * MAX_TXT_BYTES, f"at most {MAX_TXT_BYTES}"),
+    # Finite but out of contract: never paid, however it got there.
+    (b"1.5", "reward.txt: reward 1.5 is outside [0, 1]"),
+    (b"-1", "reward.txt: reward -1 is outside [0, 1]"),
+    (b"2", "reward.txt: reward 2 is outside [0, 1]"),
+    (b"1e308", "reward.txt: reward 1e+308 is outside [0, 1]"),
+    (b"-1e308", "reward.txt: reward -1e+308 is outside [0, 1]"),
+    (b"1.000002", "reward.txt: reward 1.000002 is outside [0, 1]"),
+    (b"-2e-6", "reward.txt: reward -2e-06 is outside [0, 1]"),
 ]
 
 
@@ -75,9 +84,11 @@ JSON_OK = [
     (0.25, 0.25, None),
     ({"reward": 0.25}, 0.25, None),
     ({"reward": 1, "accuracy": 0.5, "tests": 12}, 1.0, None),
-    ({"reward": 2}, 1.0, "reward 2 clamped to 1"),
-    ({"reward": -0.5}, 0.0, "reward -0.5 clamped to 0"),
-    ({"reward": 1e308}, 1.0, "reward 1e+308 clamped to 1"),
+    ({"reward": 1.0000000001}, 1.0, "reward 1.0000000001 clamped to 1"),
+    ({"reward": -1e-9}, 0.0, "reward -1e-09 clamped to 0"),
+    (1.0000000001, 1.0, "reward 1.0000000001 clamped to 1"),
+    # Only THE reward is range-checked; extra metrics just have to be numbers.
+    ({"reward": 0.5, "tests": 12, "loss": -3.5, "big": 1e308}, 0.5, None),
 ]
 
 
@@ -112,6 +123,12 @@ JSON_BAD = [
     (b"1 0", "not valid JSON"),
     (b"[" * 100_000, "reward.json is 100000 bytes (at most 65536)"),
     (b"\xff", "not UTF-8"),
+    (b'{"reward": 2}', 'reward.json key "reward": reward 2 is outside [0, 1]'),
+    (b'{"reward": -0.5}', 'reward.json key "reward": reward -0.5 is outside [0, 1]'),
+    (b'{"reward": 1e308, "accuracy": 1}', 'reward.json key "reward": reward 1e+308 is outside [0, 1]'),
+    (b'{"reward": -1e308}', "reward -1e+308 is outside [0, 1]"),
+    (b"1.5", "reward.json: reward 1.5 is outside [0, 1]"),
+    (b"7", "reward.json: reward 7 is outside [0, 1]"),
 ]
 
 
@@ -141,7 +158,12 @@ def test_reward_txt_wins_over_reward_json():
     r = parse_reward({"reward.txt": b"1 ... tests FAILED", "reward.json": b"1"})
     assert r.value == 0.0 and "4 words" in r.error and "reward.json ignored" in r.note
     r = parse_reward({"reward.txt": b"7", "reward.json": b"1"})
-    assert r.note == "reward.json ignored: reward.txt takes precedence; reward 7 clamped to 1"
+    assert r.value == 0.0 and r.error.startswith("reward.txt: reward 7 is outside [0, 1]")
+    assert r.note == "reward.json ignored: reward.txt takes precedence"
+    r = parse_reward({"reward.txt": b"1.0000000001", "reward.json": b"1"})
+    assert r == RewardReading(
+        1.0, note="reward.json ignored: reward.txt takes precedence; reward 1.0000000001 clamped to 1"
+    )
 
 
 def test_non_bytes_content_is_a_caller_bug():
@@ -149,24 +171,44 @@ def test_non_bytes_content_is_a_caller_bug():
         parse_reward({"reward.txt": "1"})
 
 
-def test_clamping_matches_numpy_on_many_values():
+def test_range_rule_matches_numpy_on_many_values():
+    tol = 1e-6  # the contract's number, written out
+    assert REWARD_TOLERANCE == tol
     rng = np.random.default_rng(0)
+    top = np.float64(1.0) + np.floor(tol * 2.0**52) * 2.0**-52  # the last double within tol above 1
+    # Each boundary from both sides: clamped, then just beyond it.
+    edges = np.array([top, np.nextafter(top, 2.0), -tol, np.nextafter(-tol, -1.0)])
     values = np.concatenate(
         [
             rng.uniform(-2, 3, 200),
+            1.0 + rng.uniform(-3e-6, 3e-6, 50),
+            rng.uniform(-3e-6, 3e-6, 50),
             10.0 ** rng.uniform(-300, 308, 50),
             -(10.0 ** rng.uniform(-300, 308, 50)),
-            [0.0, 1.0, np.nextafter(1.0, 2.0), np.nextafter(0.0, -1.0), np.finfo(np.float64).max],
+            [0.0, 1.0, np.nextafter(1.0, 2.0), np.nextafter(0.0, -1.0), 1 + 1e-6, 1 + 2e-6],
+            edges,
+            [-2e-6],
+            [np.finfo(np.float64).max, -np.finfo(np.float64).max],
         ]
     )
-    want = np.clip(values, 0.0, 1.0)
-    for v, w in zip(values, want):
+    inside = (values >= 0.0) & (values <= 1.0)
+    distance = np.maximum(values - 1.0, 0.0 - values)  # to [0, 1], for values outside it
+    rounding = ~inside & (distance <= tol)
+    want = np.where(inside, values, np.where(rounding, np.clip(values, 0.0, 1.0), 0.0))
+    assert rounding[np.isin(values, edges[::2])].all()
+    assert not rounding[np.isin(values, edges[1::2])].any()
+    for v, w, ok, rounded in zip(values, want, inside | rounding, rounding):
         text = repr(float(v))  # shortest round-trip decimal
         txt = parse_reward({"reward.txt": text.encode()})
         js = parse_reward({"reward.json": json.dumps({"reward": float(v)}).encode()})
-        assert txt.error is None and js.error is None, (text, txt, js)
         assert txt.value == js.value == w, (text, txt, js)
-        assert (txt.note is not None) == (v != w)
+        if ok:
+            assert txt.error is None and js.error is None, (text, txt, js)
+            assert (txt.note is not None) == (js.note is not None) == rounded, (text, txt, js)
+        else:
+            assert f"reward.txt: reward {text.removesuffix('.0')} is outside [0, 1]" in txt.error
+            assert 'reward.json key "reward": reward' in js.error and "is outside [0, 1]" in js.error
+            assert txt.note is None and js.note is None
 
 
 def test_every_reading_is_finite_in_unit_interval_or_none():
@@ -182,9 +224,10 @@ def test_every_reading_is_finite_in_unit_interval_or_none():
 # ---- advantages: the last line of defence -----------------------------------------------------
 
 
-def test_parsed_huge_rewards_give_finite_advantages_equal_to_numpy():
-    raws = [b"1e308", b"1e308", b"0", b"1 ... tests FAILED", b"0.5", b"-1e308"]
+def test_parsed_huge_rewards_score_zero_and_give_advantages_equal_to_numpy():
+    raws = [b"1e308", b"1", b"0", b"1 ... tests FAILED", b"0.5", b"-1e308"]
     rewards = [parse_reward({"reward.txt": raw}).value for raw in raws]
+    assert rewards == [0.0, 1.0, 0.0, 0.0, 0.5, 0.0]  # out of [0, 1] is an error: 0, never 1
     gids = [0, 0, 0, 1, 1, 1]
     out = group_advantages(rewards, gids)
     r = np.array(rewards, dtype=np.float64)

@@ -13,8 +13,12 @@ The rule (one for Harbor and TMAX tasks alike):
   without a ``"reward"`` key.
 * When both files exist, ``reward.txt`` wins (the order the runner has always read them in) and the
   reading's note says that ``reward.json`` was ignored.
-* A finite value is clamped to [0, 1], as TMAX does; the note says so (``reward 1.5 clamped to 1``).
-  So a huge finite value such as ``1e308`` scores 1, never ``inf`` or NaN downstream.
+* THE reward must lie in [0, 1]; the other keys of ``reward.json`` are only required to be numbers.
+  A value in [0, 1] is the reward as is. A value at most ``REWARD_TOLERANCE`` (1e-6) outside it is
+  float rounding in a graded verifier (``1.0000000001``, ``-1e-09``): it is clamped to [0, 1] and the
+  note says so (``reward 1.0000000001 clamped to 1``). Any other finite value (``1.5``, ``-1``,
+  ``1e308``) is an error (``reward.txt: reward 1.5 is outside [0, 1]``): outcome-only RL must never
+  pay for an out-of-contract value, e.g. a verifier tricked into relaying the agent's ``1e308``.
 * An error scores 0 and carries the reason. No reward file at all is ``value=None`` (the caller
   decides: a Harbor task then scores 0, a TMAX task falls back to pytest's exit status).
 """
@@ -28,6 +32,8 @@ from dataclasses import dataclass
 
 REWARD_FILES = ("reward.txt", "reward.json")
 REWARD_KEY = "reward"
+# How far outside [0, 1] a reward may be and still count as rounding (then clamped); beyond it, an error.
+REWARD_TOLERANCE = 1e-6
 # A reward is a number, not a document: anything larger is an error before parsing.
 MAX_TXT_BYTES = 4096
 MAX_JSON_BYTES = 64 << 10
@@ -42,7 +48,7 @@ _NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?
 class RewardReading:
     """value: the score in [0, 1] (0.0 on an error), or None when no reward file exists.
     error: why the files were not a valid reward (then value == 0.0). note: what was adjusted on the
-    way (clamping, an ignored second file)."""
+    way (clamping a rounding error, an ignored second file)."""
 
     value: float | None
     error: str | None = None
@@ -115,7 +121,8 @@ def _json_number(value: object, what: str) -> float:
     return float(value)
 
 
-def _read_json(raw: bytes) -> float:
+def _read_json(raw: bytes) -> tuple[float, str]:
+    """THE reward and where it came from (for the error message)."""
     text = _decode("reward.json", raw, MAX_JSON_BYTES)
     if not text.strip():
         raise _Invalid("reward.json is empty")
@@ -130,17 +137,32 @@ def _read_json(raw: bytes) -> float:
     except (ValueError, RecursionError) as e:
         raise _Invalid(f"reward.json is not valid JSON ({e}): {_snippet(text)}") from None
     if not isinstance(data, dict):
-        return _json_number(data, "the value")
+        return _json_number(data, "the value"), "reward.json"
     for k, v in data.items():
         _json_number(v, f"key {k!r}")
     if REWARD_KEY not in data:
         keys = ", ".join(repr(k) for k in data) or "none"
         raise _Invalid(f'reward.json has no "{REWARD_KEY}" key (keys: {keys})')
-    return float(data[REWARD_KEY])
+    return float(data[REWARD_KEY]), f'reward.json key "{REWARD_KEY}"'
 
 
 def _fmt(x: float) -> str:
-    return f"{x:g}"
+    # Shortest round-trip decimal, so 1.0000000001 is not shown as 1; integers without ".0".
+    text = repr(x)
+    return text[:-2] if text.endswith(".0") else text
+
+
+def _in_contract(value: float, where: str) -> tuple[float, str | None]:
+    """The reward for a finite ``value`` read from ``where``, and a note if it was clamped."""
+    if 0.0 <= value <= 1.0:
+        return value + 0.0, None  # + 0.0 turns -0.0 into 0.0
+    # Near 1, value - 1.0 is exact (Sterbenz), so this compares the true distance to the interval.
+    if -REWARD_TOLERANCE <= value < 0.0 or 0.0 < value - 1.0 <= REWARD_TOLERANCE:
+        clamped = 0.0 if value < 0.0 else 1.0
+        return clamped, f"reward {_fmt(value)} clamped to {_fmt(clamped)}"
+    raise _Invalid(
+        f"{where}: reward {_fmt(value)} is outside [0, 1] (beyond the {REWARD_TOLERANCE:g} rounding tolerance)"
+    )
 
 
 def parse_reward(files: dict[str, bytes]) -> RewardReading:
@@ -160,10 +182,13 @@ def parse_reward(files: dict[str, bytes]) -> RewardReading:
     if not isinstance(raw, (bytes, bytearray)):
         raise TypeError(f"parse_reward: files[{name!r}] must be bytes, got {type(raw).__name__}")
     try:
-        value = _read_txt(bytes(raw)) if name == "reward.txt" else _read_json(bytes(raw))
+        if name == "reward.txt":
+            value, where = _read_txt(bytes(raw)), "reward.txt"
+        else:
+            value, where = _read_json(bytes(raw))
+        reward, clamp_note = _in_contract(value, where)
     except _Invalid as e:
         return RewardReading(0.0, error=str(e), note="; ".join(notes) or None)
-    clamped = min(1.0, max(0.0, value)) + 0.0  # + 0.0 turns -0.0 into 0.0
-    if clamped != value:
-        notes.append(f"reward {_fmt(value)} clamped to {_fmt(clamped)}")
-    return RewardReading(clamped, note="; ".join(notes) or None)
+    if clamp_note:
+        notes.append(clamp_note)
+    return RewardReading(reward, note="; ".join(notes) or None)
