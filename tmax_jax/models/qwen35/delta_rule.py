@@ -6,16 +6,55 @@ Per value head, with state ``S: [dk, dv]`` and token ``t`` (q already L2-normali
     S <- S + k_t (beta_t * (v_t - k_t^T S))^T
     o_t = q_t^T S
 
-Two forms: ``chunked_gated_delta_rule`` (prefill and training; WY/UT transform inside chunks of 64,
-a scan over chunks) and ``recurrent_gated_delta_rule`` (one token at a time; decode).
+Two forms: ``chunked_gated_delta_rule`` (prefill and training) and ``recurrent_gated_delta_rule``
+(one token at a time; decode).
 
 Packing: ``groups`` (int ``[B, T]``, non-decreasing along T) says which tokens share one recurrence.
 A token whose group differs from the group of the state it would read starts from a zero state, so
 packed sequences never see each other. Callers make padding a no-op by giving pads ``g = 0`` and
 ``beta = 0`` (and the group of the previous token): then ``S`` passes through them unchanged.
+
+The chunked form, and how its pieces map onto a kernel
+------------------------------------------------------
+The sequence is cut into chunks of ``C`` tokens (the tail padded with g = beta = 0, a no-op). Within a
+chunk, with ``cum`` the cumulative log-decay since the chunk start and ``D[i, j] = exp(cum_i - cum_j)``
+for ``j <= i`` in the same group (else 0), the WY/UT form of the delta rule is
+
+    A     = strictly_lower(diag(beta) K K^T * D)             [C, C]
+    T     = (I + A)^-1                                       [C, C]   (UT transform)
+    u     = T diag(beta) V                                   [C, dv]
+    w     = T diag(beta * exp(cum) * reads) K                [C, dk]
+    v_new = u - w S                                          [C, dv]  (what each token really writes)
+    o     = diag(exp(cum) * reads) Q S + (Q K^T * D) v_new   [C, dv]
+    S'    = exp(cum_last) * carried * S + (diag(exp(cum_last - cum) * writes) K)^T v_new
+
+where ``reads`` marks tokens in the group of the incoming state, ``writes`` tokens in the group of the
+outgoing one, and ``carried`` whether the whole chunk continues the incoming state. The code is split
+the way a kernel is (the same split as flash-linear-attention's chunk_gated_delta_rule: WY
+preparation, a sequential ``fwd_h`` pass over chunk states, a parallel output pass, and a backward of a
+sequential ``dh`` pass plus parallel per-chunk gradients):
+
+* ``_chunk_prepare``: everything in a chunk that does not depend on the carried state (the inverse,
+  ``u``, ``w``, the decayed read/write keys, the intra-chunk scores). Parallel over chunks.
+* ``_chunk_forward_states``: the only sequential forward step, ``S -> S'`` (and ``v_new``).
+* ``_chunk_outputs``: ``o`` from the chunk's incoming state. Parallel over chunks.
+* ``_chunk_backward_states``: the only sequential backward step, ``dS' -> dS`` (and ``dv_new``).
+* ``_chunk_backward``: the gradients of one chunk's q, k, v, g, beta from its incoming state, the
+  incoming state's... outgoing cotangent and ``dv_new``. Parallel over chunks.
+
+Chunks are processed in blocks of a few at a time: inside a block the parallel pieces run batched over
+its chunks (bigger matmuls), and only the state crosses from chunk to chunk. ``jax.custom_vjp`` gives
+the chunked form its own backward: the forward saves its inputs and one float32 state per chunk (never
+anything ``[C, C]``-sized); the backward walks the blocks in reverse, recomputes each block's
+``_chunk_prepare``, carries ``dS`` and writes the gradients block by block. The inverse is a blocked
+one (halves recursively, Neumann product on the 16x16 diagonal blocks), never differentiated: the
+backward uses ``d(A^-1) = -A^-1 dA A^-1`` directly.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,26 +63,362 @@ from tmax_jax.models.qwen35.numerics import f32_matmul_precision
 
 f32 = jnp.float32
 
+# Chunks per block of the chunked form: their intra-chunk parts run as one batched computation. More
+# means bigger matmuls (faster on CPU) but more temporaries per block, O(block * C * (C + dk + dv)).
+_CHUNKS_PER_BLOCK = 8
+# The training forward/backward keeps smaller blocks: their temporaries are live next to the saved states.
+_CHUNKS_PER_BLOCK_TRAIN = 4
+# Diagonal blocks up to this size are inverted by a Neumann product; larger ones by halving.
+_INVERSE_BASE = 16
+
 
 def _mm(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum(spec, a, b, precision=f32_matmul_precision(), preferred_element_type=f32)
 
 
 def _unit_lower_inverse(strict_lower: jax.Array) -> jax.Array:
-    """``(I + L)^-1`` for strictly lower triangular ``L [..., C, C]`` by forward substitution.
+    """``(I + L)^-1`` for strictly lower triangular ``L [..., n, n]``, in matmuls only.
 
-    Row i of the inverse is ``e_i - L[i] @ inv``; rows >= i still hold ``e_j`` then, and L[i, j>=i]
-    is zero, so one pass over the rows is exact. Plain matmuls: no LAPACK triangular-solve custom
-    call (which deadlocked XLA's CPU runtime at large batch) and it runs the same on TPU and GPU.
+    Up to ``_INVERSE_BASE``: L is nilpotent, so ``(I + L)^-1 = sum_k (-L)^k = prod_i (I + (-L)^(2^i))``,
+    ceil(log2 n) - 1 squarings and as many products. Larger: ``[[X, 0], [Y, Z]]`` with ``X, Z`` the
+    inverses of the two diagonal halves (computed together, stacked) and ``Y = -Z L21 X``. No row loop
+    (whose carries autodiff would save) and no LAPACK triangular solve (which deadlocked XLA's CPU
+    runtime at large batch); nothing differentiates through this, the custom VJP does it by hand.
     """
-    C = strict_lower.shape[-1]
-    eye = jnp.eye(C, dtype=strict_lower.dtype)
+    n = strict_lower.shape[-1]
+    if n <= _INVERSE_BASE:
+        eye = jnp.eye(n, dtype=strict_lower.dtype)
+        power = -strict_lower
+        inv = eye + power
+        for _ in range(max(n - 1, 1).bit_length() - 1):
+            power = _mm("...ij,...jk->...ik", power, power)
+            inv = inv + _mm("...ij,...jk->...ik", inv, power)
+        return inv
+    h = n // 2
+    l11, l22, l21 = strict_lower[..., :h, :h], strict_lower[..., h:, h:], strict_lower[..., h:, :h]
+    if n % 2 == 0:
+        both = _unit_lower_inverse(jnp.stack([l11, l22]))
+        x11, x22 = both[0], both[1]
+    else:
+        x11, x22 = _unit_lower_inverse(l11), _unit_lower_inverse(l22)
+    x21 = -_mm("...ij,...jk->...ik", x22, _mm("...ij,...jk->...ik", l21, x11))
+    top = jnp.concatenate([x11, jnp.zeros(x11.shape[:-1] + (n - h,), x11.dtype)], axis=-1)
+    return jnp.concatenate([top, jnp.concatenate([x21, x22], axis=-1)], axis=-2)
 
-    def row(i, inv):
-        r = eye[i] - _mm("...j,...jk->...k", jax.lax.dynamic_index_in_dim(strict_lower, i, -2, False), inv)
-        return jax.lax.dynamic_update_index_in_dim(inv, r, i, -2)
 
-    return jax.lax.fori_loop(0, C, row, jnp.broadcast_to(eye, strict_lower.shape))
+class ChunkMasks(NamedTuple):
+    """Which tokens of a chunk see which state; leading dims ``...`` (e.g. ``[B, 1, M]``)."""
+
+    same: jax.Array  # [..., C, C] bool: j <= i and i, j in one group (the intra-chunk causal mask)
+    reads: jax.Array  # [..., C] f32: token reads the state carried into the chunk
+    writes: jax.Array  # [..., C] f32: token writes the state carried out of the chunk
+    carried: jax.Array  # [...] f32: the incoming state survives to the chunk's end
+
+
+def _chunk_masks(grp: jax.Array, prev_last: jax.Array) -> ChunkMasks:
+    """``grp [..., C]`` int groups of the chunk, ``prev_last [...]`` the group of the incoming state."""
+    C = grp.shape[-1]
+    last = grp[..., -1]
+    causal = jnp.tril(jnp.ones((C, C), bool))
+    return ChunkMasks(
+        same=(grp[..., :, None] == grp[..., None, :]) & causal,
+        reads=(grp == prev_last[..., None]).astype(f32),
+        writes=(grp == last[..., None]).astype(f32),
+        carried=(last == prev_last).astype(f32),
+    )
+
+
+class ChunkPrep(NamedTuple):
+    """The state-independent part of a chunk (``_chunk_prepare``); leading dims ``...``."""
+
+    cum: jax.Array  # [..., C] log-decay since the chunk start
+    decay: jax.Array  # [..., C, C] D: exp(cum_i - cum_j) on the same-group causal mask, else 0
+    t_inv: jax.Array  # [..., C, C] T = (I + A)^-1
+    u: jax.Array  # [..., C, dv] T diag(beta) V
+    w: jax.Array  # [..., C, dk] T diag(beta exp(cum) reads) K
+    q_read: jax.Array  # [..., C, dk] diag(exp(cum) reads) Q
+    k_write: jax.Array  # [..., C, dk] diag(exp(cum_last - cum) writes) K
+    intra: jax.Array  # [..., C, C] P: (Q K^T) * D
+    gamma: jax.Array  # [...] exp(cum_last) * carried: the incoming state's decay over the chunk
+
+
+def _chunk_prepare(q, k, v, g, beta, masks: ChunkMasks) -> ChunkPrep:
+    """``q, k [..., C, dk]``, ``v [..., C, dv]``, ``g, beta [..., C]``, all float32."""
+    C = q.shape[-2]
+    cum = jnp.cumsum(g, axis=-1)
+    diff = cum[..., :, None] - cum[..., None, :]
+    # The inner where keeps exp() of the masked (positive) differences from overflowing.
+    decay = jnp.where(masks.same, jnp.exp(jnp.where(masks.same, diff, 0.0)), 0.0)
+    k_beta = k * beta[..., None]
+    strict = jnp.tril(jnp.ones((C, C), bool), -1)
+    a_strict = jnp.where(strict, _mm("...ck,...sk->...cs", k_beta, k) * decay, 0.0)
+    t_inv = _unit_lower_inverse(a_strict)
+    read = jnp.exp(cum) * masks.reads
+    u = _mm("...cs,...sv->...cv", t_inv, v * beta[..., None])
+    w = _mm("...cs,...sk->...ck", t_inv, k_beta * read[..., None])
+    return ChunkPrep(
+        cum=cum,
+        decay=decay,
+        t_inv=t_inv,
+        u=u,
+        w=w,
+        q_read=q * read[..., None],
+        k_write=k * (jnp.exp(cum[..., -1:] - cum) * masks.writes)[..., None],
+        intra=_mm("...ck,...sk->...cs", q, k) * decay,
+        gamma=jnp.exp(cum[..., -1]) * masks.carried,
+    )
+
+
+def _chunk_forward_states(prep: ChunkPrep, s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One chunk's state step: ``s [..., dk, dv]`` in -> ``(s_next [..., dk, dv], v_new [..., C, dv])``."""
+    v_new = prep.u - _mm("...ck,...kv->...cv", prep.w, s)
+    s_next = s * prep.gamma[..., None, None] + _mm("...ck,...cv->...kv", prep.k_write, v_new)
+    return s_next, v_new
+
+
+def _chunk_outputs(prep: ChunkPrep, s: jax.Array) -> jax.Array:
+    """``o [..., C, dv]`` of a chunk from its incoming state ``s [..., dk, dv]``."""
+    v_new = prep.u - _mm("...ck,...kv->...cv", prep.w, s)
+    return _mm("...ck,...kv->...cv", prep.q_read, s) + _mm("...cs,...sv->...cv", prep.intra, v_new)
+
+
+def _chunk_backward_states(prep: ChunkPrep, do: jax.Array, ds_next: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One chunk's backward state step.
+
+    ``do [..., C, dv]`` (cotangent of ``o``), ``ds_next [..., dk, dv]`` (of the outgoing state) ->
+    ``(ds [..., dk, dv]`` of the incoming state, ``dv_new [..., C, dv])``.
+    """
+    dv_new = _mm("...cs,...cv->...sv", prep.intra, do) + _mm("...ck,...kv->...cv", prep.k_write, ds_next)
+    ds = (
+        _mm("...ck,...cv->...kv", prep.q_read, do)
+        + ds_next * prep.gamma[..., None, None]
+        - _mm("...ck,...cv->...kv", prep.w, dv_new)
+    )
+    return ds, dv_new
+
+
+def _chunk_backward(q, k, v, g, beta, masks: ChunkMasks, prep: ChunkPrep, s, do, ds_next, dv_new):
+    """Gradients of one chunk's ``(q, k, v, g, beta)`` (shapes as the inputs of ``_chunk_prepare``).
+
+    ``s``: incoming state, ``do``: cotangent of the outputs, ``ds_next``: of the outgoing state,
+    ``dv_new``: from ``_chunk_backward_states``. Everything local to the chunk.
+    """
+    C = q.shape[-2]
+    v_new = prep.u - _mm("...ck,...kv->...cv", prep.w, s)
+    k_beta = k * beta[..., None]
+    v_beta = v * beta[..., None]
+    read = jnp.exp(prep.cum) * masks.reads
+    k_read = k_beta * read[..., None]  # the right factor of w = T k_read
+    write = jnp.exp(prep.cum[..., -1:] - prep.cum) * masks.writes
+
+    # o = q_read S + P v_new, S' = gamma S + k_write^T v_new, v_new = u - w S.
+    d_intra = _mm("...cv,...sv->...cs", do, v_new)
+    d_q_read = _mm("...cv,...kv->...ck", do, s)
+    d_k_write = _mm("...cv,...kv->...ck", v_new, ds_next)
+    d_gamma = jnp.sum(s * ds_next, axis=(-2, -1))
+    d_w = -_mm("...cv,...kv->...ck", dv_new, s)
+    # u = T v_beta, w = T k_read; T = (I + A)^-1 so dA = -T^T dT T^T (strictly lower part).
+    d_t = _mm("...cv,...sv->...cs", dv_new, v_beta) + _mm("...ck,...sk->...cs", d_w, k_read)
+    d_v_beta = _mm("...sc,...sv->...cv", prep.t_inv, dv_new)
+    d_k_read = _mm("...sc,...sk->...ck", prep.t_inv, d_w)
+    strict = jnp.tril(jnp.ones((C, C), bool), -1)
+    d_a = -_mm("...sc,...sd->...cd", prep.t_inv, _mm("...cs,...ds->...cd", d_t, prep.t_inv))
+    d_a = jnp.where(strict, d_a, 0.0)
+    # A = strict(k_beta k^T * D), P = (q k^T) * D.
+    d_kbk = d_a * prep.decay
+    d_qk = d_intra * prep.decay
+    qk = _mm("...ck,...sk->...cs", q, k)
+    kbk = _mm("...ck,...sk->...cs", k_beta, k)
+    d_decay = d_a * kbk + d_intra * qk
+
+    d_k_beta = _mm("...cs,...sk->...ck", d_kbk, k) + d_k_read * read[..., None]
+    dq = _mm("...cs,...sk->...ck", d_qk, k) + d_q_read * read[..., None]
+    dk = (
+        _mm("...cs,...ck->...sk", d_qk, q)
+        + _mm("...cs,...ck->...sk", d_kbk, k_beta)
+        + d_k_write * write[..., None]
+        + d_k_beta * beta[..., None]
+    )
+    dv = d_v_beta * beta[..., None]
+    dbeta = jnp.sum(d_k_beta * k, axis=-1) + jnp.sum(d_v_beta * v, axis=-1)
+
+    # cum enters D (as cum_i - cum_j), the read factor exp(cum), the write factor exp(cum_last - cum)
+    # and gamma = exp(cum_last) * carried.
+    x = d_decay * prep.decay
+    d_cum = jnp.sum(x, axis=-1) - jnp.sum(x, axis=-2)
+    d_cum = d_cum + jnp.sum(d_q_read * prep.q_read, axis=-1) + jnp.sum(d_k_read * k_read, axis=-1)
+    from_write = jnp.sum(d_k_write * prep.k_write, axis=-1)
+    d_last = jnp.sum(from_write, axis=-1) + d_gamma * prep.gamma
+    d_cum = d_cum - from_write
+    d_cum = d_cum.at[..., -1].add(d_last)
+    dg = jnp.flip(jnp.cumsum(jnp.flip(d_cum, -1), axis=-1), -1)  # cum = cumsum(g)
+    return dq, dk, dv, dg, dbeta
+
+
+def _block_count(n_chunks: int, per_block: int) -> int:
+    """Chunks per block: the largest divisor of ``n_chunks`` not above ``per_block``."""
+    return max(d for d in range(1, min(per_block, n_chunks) + 1) if n_chunks % d == 0)
+
+
+def _as_bits(x: jax.Array) -> jax.Array:
+    """16-bit floats as their uint16 bits (a free bitcast) for slicing and updating inside the loops.
+
+    XLA's CPU float normalisation runs bfloat16 dynamic slices and updates in float32: it hoists a
+    float32 copy of the whole input out of the loop (kept for the backward pass) and converts a whole
+    bfloat16 gradient buffer at every step. Integer slices and updates are native everywhere.
+    """
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
+
+
+def _from_bits(x: jax.Array, dtype) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+
+
+def _load(x: jax.Array, dtype, n0, m: int, C: int) -> jax.Array:
+    """Chunks ``[n0, n0 + m)`` of ``x [B, N * C, H, ...]`` (``_as_bits`` of ``dtype``) as float32
+    ``[B, H, m, C, ...]``; the cast happens here, per block, so no float32 copy of the sequence exists."""
+    x = _from_bits(jax.lax.dynamic_slice_in_dim(x, n0 * C, m * C, axis=1), dtype).astype(f32)
+    x = x.reshape(x.shape[0], m, C, *x.shape[2:])
+    return jnp.moveaxis(x, 3, 1)
+
+
+def _store(buf: jax.Array, x: jax.Array, dtype, n0, C: int) -> jax.Array:
+    """Write ``x [B, H, m, C, ...]`` as ``dtype`` into ``buf [B, N * C, H, ...]`` (``_as_bits``) at chunk n0."""
+    x = _as_bits(jnp.moveaxis(x, 1, 3).astype(dtype))
+    x = x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+    return jax.lax.dynamic_update_slice_in_dim(buf, x, n0 * C, axis=1)
+
+
+def _pad_time(x: jax.Array, C: int, edge: bool = False) -> jax.Array:
+    """Pads ``[B, T, ...]`` to a multiple of C tokens (zeros, or the last value for groups)."""
+    pad = (-x.shape[1]) % C
+    if not pad:
+        return x
+    return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), mode="edge" if edge else "constant")
+
+
+def _block_inputs(seqs, dtypes, grp, prev_last, n0, m: int, C: int):
+    q, k, v, g, beta = (
+        _load(x, dt, n0, m, C) for x, dt in zip(seqs, dtypes)
+    )  # [B, H, m, C, (K|V)], [B, H, m, C]
+    grp_b = jax.lax.dynamic_slice_in_dim(grp, n0, m, axis=1)[:, None]  # [B, 1, m, C]
+    prev_b = jax.lax.dynamic_slice_in_dim(prev_last, n0, m, axis=1)[:, None]  # [B, 1, m]
+    return (q, k, v, g, beta), _chunk_masks(grp_b, prev_b)
+
+
+def _groups(groups: jax.Array, C: int) -> tuple[jax.Array, jax.Array]:
+    """Chunked groups ``[B, N, C]`` (the padded tail joins the last group) and, per chunk, the group of
+    its incoming state ``[B, N]`` (chunk 0: the initial state's, 0)."""
+    B = groups.shape[0]
+    grp = _pad_time(groups.astype(jnp.int32), C, edge=True).reshape(B, -1, C)
+    prev_last = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), grp[:, :-1, -1]], axis=1)
+    return grp, prev_last
+
+
+def _slice_chunk(tree, i: int):
+    """Chunk ``i`` of a block's per-chunk tree (chunk axis 2 of every leaf)."""
+    return jax.tree.map(lambda x: x[:, :, i], tree)
+
+
+def _forward(q, k, v, g, beta, s0, groups, C: int, per_block: int, save_states: bool):
+    B, T, H, _ = k.shape
+    V = v.shape[-1]
+    dtypes = tuple(x.dtype for x in (q, k, v, g, beta))
+    seqs = tuple(_as_bits(_pad_time(x, C)) for x in (q, k, v, g, beta))  # [B, N * C, H, ...]
+    grp, prev_last = _groups(groups, C)
+    N = grp.shape[1]
+    m = _block_count(N, per_block)
+
+    def block(carry, n0):
+        s, out = carry
+        x, masks = _block_inputs(seqs, dtypes, grp, prev_last, n0, m, C)
+        prep = _chunk_prepare(*x, masks)
+        states = []
+        for i in range(m):
+            states.append(s)
+            s, _ = _chunk_forward_states(_slice_chunk(prep, i), s)
+        states = jnp.stack(states, axis=2)  # [B, H, m, K, V]: each chunk's incoming state
+        out = _store(out, _chunk_outputs(prep, states), f32, n0, C)
+        return (s, out), (states if save_states else None)
+
+    out0 = jnp.zeros((B, N * C, H, V), f32)
+    (s_final, out), states = jax.lax.scan(block, (s0, out0), jnp.arange(0, N, m))
+    return (out[:, :T] if N * C != T else out), s_final, states
+
+
+def _backward(res, cotangents, C: int, per_block: int):
+    q, k, v, g, beta, groups, states = res
+    d_out, d_final = cotangents
+    T = k.shape[1]
+    dtypes = tuple(x.dtype for x in (q, k, v, g, beta))
+    seqs = tuple(_as_bits(_pad_time(x, C)) for x in (q, k, v, g, beta))
+    grp, prev_last = _groups(groups, C)
+    N = grp.shape[1]
+    d_out = _pad_time(d_out, C)  # [B, N * C, H, V]
+    m = _block_count(N, per_block)
+
+    def block(carry, xs):
+        ds, grads = carry
+        n0, s_in = xs  # s_in [B, H, m, K, V]
+        x, masks = _block_inputs(seqs, dtypes, grp, prev_last, n0, m, C)
+        prep = _chunk_prepare(*x, masks)
+        do = _load(d_out, f32, n0, m, C)
+        ds_next, dv_new = [None] * m, [None] * m
+        for i in reversed(range(m)):
+            ds_next[i] = ds
+            ds, dv_new[i] = _chunk_backward_states(_slice_chunk(prep, i), do[:, :, i], ds)
+        ds_next, dv_new = jnp.stack(ds_next, axis=2), jnp.stack(dv_new, axis=2)
+        d_x = _chunk_backward(*x, masks, prep, s_in, do, ds_next, dv_new)
+        grads = tuple(_store(buf, d, dt, n0, C) for buf, d, dt in zip(grads, d_x, dtypes))
+        return (ds, grads), None
+
+    grads0 = tuple(jnp.zeros(x.shape, x.dtype) for x in seqs)
+    (ds0, grads), _ = jax.lax.scan(
+        block, (d_final.astype(f32), grads0), (jnp.arange(0, N, m), states), reverse=True
+    )
+    grads = tuple(_from_bits(x, dt) for x, dt in zip(grads, dtypes))
+    if N * C != T:
+        grads = tuple(x[:, :T] for x in grads)
+    return (*grads, ds0, None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _chunked(q, k, v, g, beta, s0, groups, C):
+    out, s_final, _ = _forward(q, k, v, g, beta, s0, groups, C, _CHUNKS_PER_BLOCK, save_states=False)
+    return out, s_final
+
+
+def _chunked_fwd(q, k, v, g, beta, s0, groups, C):
+    out, s_final, states = _forward(
+        q, k, v, g, beta, s0, groups, C, _CHUNKS_PER_BLOCK_TRAIN, save_states=True
+    )
+    return (out, s_final), (q, k, v, g, beta, groups, states)
+
+
+def _chunked_bwd(C, res, cotangents):
+    return _backward(res, cotangents, C, _CHUNKS_PER_BLOCK_TRAIN)
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def _check_shapes(q, k, v, g, beta, s0, groups, chunk_size) -> None:
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if k.ndim != 4 or q.shape != k.shape:
+        raise ValueError(f"q and k must both be [B, T, H, dk], got q {q.shape} and k {k.shape}")
+    B, T, H, K = k.shape
+    if v.ndim != 4 or v.shape[:3] != (B, T, H):
+        raise ValueError(f"v must be [B, T, H, dv] = [{B}, {T}, {H}, dv], got {v.shape}")
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != (B, T, H):
+            raise ValueError(f"{name} must be [B, T, H] = {(B, T, H)}, got {x.shape}")
+    if s0 is not None and s0.shape != (B, H, K, v.shape[-1]):
+        raise ValueError(f"initial_state must be [B, H, dk, dv] = {(B, H, K, v.shape[-1])}, got {s0.shape}")
+    if groups is not None and groups.shape != (B, T):
+        raise ValueError(f"groups must be [B, T] = {(B, T)}, got {groups.shape}")
+    if groups is not None and not jnp.issubdtype(groups.dtype, jnp.integer):
+        raise ValueError(f"groups must be integer, got {groups.dtype}")
 
 
 def chunked_gated_delta_rule(
@@ -58,72 +433,21 @@ def chunked_gated_delta_rule(
 ) -> tuple[jax.Array, jax.Array]:
     """Returns ``(out [B, T, H, dv] float32, final_state [B, H, dk, dv] float32)``.
 
-    The initial state belongs to group 0: tokens of group 0 read it, others start from zero.
+    The initial state belongs to group 0: tokens of group 0 read it, others start from zero. Inputs may
+    be bfloat16 (each block is cast to float32 as it is used); gradients come back in the inputs' dtypes.
     """
+    _check_shapes(
+        q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH, beta_BxTxH, initial_state_BxHxKxV, groups_BxT, chunk_size
+    )
     B, T, H, K = k_BxTxHxK.shape
     V = v_BxTxHxV.shape[-1]
-    C = chunk_size
-    pad = (-T) % C
-    N = (T + pad) // C
-    if groups_BxT is None:
-        groups_BxT = jnp.zeros((B, T), jnp.int32)
-
-    def to_chunks(x, fill_edge=False):
-        x = x.astype(f32) if not fill_edge else x
-        widths = [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
-        x = jnp.pad(x, widths, mode="edge" if fill_edge else "constant")
-        x = x.reshape(B, N, C, *x.shape[2:])
-        return jnp.moveaxis(x, 3, 1) if x.ndim > 3 else x  # heads first: [B, H, N, C, ...]
-
-    q = to_chunks(q_BxTxHxK)  # [B, H, N, C, K]
-    k = to_chunks(k_BxTxHxK)
-    v = to_chunks(v_BxTxHxV)  # [B, H, N, C, V]
-    g = to_chunks(g_BxTxH)  # [B, H, N, C]
-    beta = to_chunks(beta_BxTxH)
-    # Padded tail tokens join the last group; with g = beta = 0 they leave the state untouched.
-    grp = to_chunks(groups_BxT.astype(jnp.int32), fill_edge=True)[:, None]  # [B, 1, N, C]
-
-    prev_last = jnp.concatenate([jnp.zeros_like(grp[:, :, :1, -1]), grp[:, :, :-1, -1]], axis=2)  # [B,1,N]
-    cont = (grp == prev_last[..., None]).astype(f32)  # token reads the state carried into its chunk
-    last = grp[..., -1]  # [B, 1, N]
-    in_last = (grp == last[..., None]).astype(f32)  # token writes the state carried out of its chunk
-    chunk_cont = (last == prev_last).astype(f32)  # the whole chunk continues the carried state
-
-    cum = jnp.cumsum(g, axis=-1)  # [B, H, N, C] log-decay since chunk start
-    causal = jnp.tril(jnp.ones((C, C), bool))
-    same = (grp[..., :, None] == grp[..., None, :]) & causal  # [B, 1, N, C, C]
-    diff = cum[..., :, None] - cum[..., None, :]
-    decay = jnp.where(same, jnp.exp(jnp.where(same, diff, 0.0)), 0.0)  # [B, H, N, C, C]
-
-    k_beta = k * beta[..., None]
-    v_beta = v * beta[..., None]
-    # T = (I + strictly_lower(diag(beta) K K^T * decay))^-1, the UT transform of the chunk.
-    strict = jnp.tril(jnp.ones((C, C), bool), -1)
-    a_strict = jnp.where(strict, _mm("bhnck,bhnsk->bhncs", k_beta, k) * decay, 0.0)
-    t_inv = _unit_lower_inverse(a_strict)
-    u = _mm("bhncs,bhnsv->bhncv", t_inv, v_beta)
-    w = _mm("bhncs,bhnsk->bhnck", t_inv, k_beta * (jnp.exp(cum) * cont)[..., None])
-    intra = _mm("bhnck,bhnsk->bhncs", q, k) * decay
-    q_read = q * (jnp.exp(cum) * cont)[..., None]
-    k_write = k * (jnp.exp(cum[..., -1:] - cum) * in_last)[..., None]
-    state_decay = jnp.exp(cum[..., -1]) * chunk_cont  # [B, H, N]
-
     if initial_state_BxHxKxV is None:
         s0 = jnp.zeros((B, H, K, V), f32)
     else:
         s0 = initial_state_BxHxKxV.astype(f32)
-
-    def step(s_BxHxKxV, xs):
-        u_n, w_n, q_n, k_n, intra_n, decay_n = xs
-        v_new = u_n - _mm("bhck,bhkv->bhcv", w_n, s_BxHxKxV)
-        o_n = _mm("bhck,bhkv->bhcv", q_n, s_BxHxKxV) + _mm("bhcs,bhsv->bhcv", intra_n, v_new)
-        s_next = s_BxHxKxV * decay_n[..., None, None] + _mm("bhck,bhcv->bhkv", k_n, v_new)
-        return s_next, o_n
-
-    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, q_read, k_write, intra, state_decay))
-    s_final, o = jax.lax.scan(step, s0, xs)  # o: [N, B, H, C, V]
-    o_BxTxHxV = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(B, N * C, H, V)[:, :T]
-    return o_BxTxHxV, s_final
+    if groups_BxT is None:
+        groups_BxT = jnp.zeros((B, T), jnp.int32)
+    return _chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH, beta_BxTxH, s0, groups_BxT, chunk_size)
 
 
 def recurrent_gated_delta_rule(
