@@ -18,10 +18,10 @@ its chunk reads a zero state (``cont``), only tokens of the chunk's last group w
 state (``in_last``), and the carried state survives the chunk only if the whole chunk continues it.
 
 Structure (the template is flash-linear-attention's ``chunk_gated_delta_rule``):
-- the forward kernel runs the chunks in order with the state in VMEM scratch (TPU) or in registers
-  (GPU) and writes the state entering every chunk (``[B, H, N, K, V]`` float32, ``K*V*4/C`` bytes per
-  token and head: 1 KiB at K=V=128, C=64) and the final state;
-- the backward kernel runs the chunks in reverse, carrying ``dS``; each chunk's internals (Gamma, A,
+- the forward runs the chunks in order and writes the state entering every chunk
+  (``[B, H, N, K, V]`` float32, ``K*V*4/C`` bytes per token and head: 1 KiB at K=V=128, C=64) and
+  the final state; these states and the inputs are all the backward keeps;
+- the backward runs the chunks in reverse, carrying ``dS``; each chunk's internals (Gamma, A,
   T, W, U, Vnew) are recomputed from the inputs and the stored state, never kept.
 - ``T = (I + A)^-1`` is the log-depth product ``(I - A)(I + A^2)(I + A^4)...`` (exact, since A is
   nilpotent: ``A^C = 0``): ``2 log2(C) - 2`` plain matmuls, no row loop; its derivative is written
@@ -30,15 +30,22 @@ Structure (the template is flash-linear-attention's ``chunk_gated_delta_rule``):
   of ``block_v`` on a parallel grid axis (the chunk's T, W are recomputed per block); the backward's
   dq/dk/dg/dbeta are summed over the blocks afterwards.
 
-Two launchers share one chunk body (``_fwd_chunk`` / ``_bwd_chunk``): on TPU the chunk index is the
-innermost grid axis, marked ``"arbitrary"`` (sequential), with ``(C, K)``/``(C, block_v)`` blocks; on
-GPU (Triton has no sequential grid axis) each program owns one ``(b, h, value block)`` and loops over
-the chunks itself, loading ``pl.ds`` slices of power-of-two shapes.
+Two launchers share the chunk bodies (``_fwd_chunk`` / ``_bwd_chunk`` and their parts):
+- TPU (Mosaic): one fused kernel per direction; the chunk index is the innermost grid axis, marked
+  ``"arbitrary"`` (sequential), the state lives in VMEM scratch, blocks are ``(C, K)``/``(C, block_v)``.
+- GPU (Triton has no sequential grid axis, and one program per (row, head, value block) would leave
+  most SMs idle): three kernels per direction, as flash-linear-attention splits it. First the
+  chunk-local work that needs no state (the UT transform: W, U; for the backward W and the masked
+  Q K^T) for all chunks at once; then only the recurrence (two matmuls per chunk forward, four
+  backward), one program per (row, head, value block) looping over the chunks on ``pl.ds`` slices of
+  power-of-two shapes; then the chunk-local work that needs the states (outputs; all gradients but
+  dS), for all chunks at once. The backward's middle kernel stores the ``dS`` leaving every chunk.
 
-What was tested: both launchers, forward and backward, in Pallas interpret mode on CPU only
-(``tests/test_kernels_gated_delta_rule.py``, against the pure-JAX path and a float64 NumPy loop).
-Neither has been compiled by Mosaic or Triton on a real chip from this repository yet:
-``benchmarks/device_check.sh`` is the first check to run on one.
+What was tested (``tests/test_kernels_gated_delta_rule.py``): both launchers, forward and backward,
+run in Pallas interpret mode on CPU against the pure-JAX path and a float64 NumPy loop; and both
+lower (``jax.export`` from the CPU host) through Pallas's Mosaic and Triton lowering rules at the
+model's head dims. Neither has been compiled by Mosaic's or Triton's back ends nor run on a chip
+from this repository yet: ``benchmarks/device_check.sh`` is the first check to run on one.
 """
 
 from __future__ import annotations
@@ -113,9 +120,9 @@ def _unit_lower_inverse(a_strict, eye):
     return inv
 
 
-def _chunk(k, rows) -> _Chunk:
+def _gates(rows, C):
+    """The chunk's decays and masks: ``(causal, strict, eye, gamma, beta, read, write, carry)``."""
     g_row, beta_row, grp_row, cont_row, inlast_row, cc_row = rows
-    C = k.shape[0]
     ii = lax.broadcasted_iota(jnp.int32, (C, C), 0)
     jj = lax.broadcasted_iota(jnp.int32, (C, C), 1)
     causal, strict, eye = ii >= jj, ii > jj, ii == jj
@@ -129,6 +136,11 @@ def _chunk(k, rows) -> _Chunk:
     read = jnp.exp(cum_col) * _col(cont_row, eye)
     write = jnp.exp(cum_last - cum_col) * _col(inlast_row, eye)
     carry = jnp.exp(cum_last) * jnp.max(cc_row, axis=1, keepdims=True)
+    return causal, strict, eye, gamma, beta, read, write, carry
+
+
+def _chunk(k, rows) -> _Chunk:
+    causal, strict, eye, gamma, beta, read, write, carry = _gates(rows, k.shape[0])
     kk = _nt(k, k)
     a_strict = jnp.where(strict, beta * kk * gamma, 0.0)
     t_inv = _unit_lower_inverse(a_strict, eye)
@@ -199,6 +211,38 @@ def _bwd_chunk(q, k, v, rows, s, do, ds_next):
     dcum_last = jnp.sum(dwrite * c.write, axis=0, keepdims=True) + d_carry * c.carry  # [1, 1]
     dg_row = jnp.sum(jnp.where(c.causal, dcum_col, 0.0), axis=0, keepdims=True) + dcum_last
     return dq, dk, dv, dg_row, _row(dbeta, c.eye), ds
+
+
+def _prep_fwd(k, v, rows):
+    """The chunk's ``W`` and ``U`` (GPU: computed for every chunk at once, before the recurrence)."""
+    c = _chunk(k, rows)
+    return _nn(c.t_inv, c.y), _nn(c.t_inv, v * c.beta)
+
+
+def _prep_bwd(q, k, rows):
+    """The chunk's ``W`` and its masked intra-chunk scores ``Q K^T * Gamma``."""
+    c = _chunk(k, rows)
+    return _nn(c.t_inv, c.y), jnp.where(c.causal, _nt(q, k) * c.gamma, 0.0)
+
+
+def _state_step(w, u, k, rows, s):
+    """The forward recurrence alone: the state after the chunk, from its ``W`` and ``U``."""
+    *_, write, carry = _gates(rows, k.shape[0])
+    return carry * s + _tn(k * write, u - _nn(w, s))
+
+
+def _out_chunk(q, k, w, u, rows, s):
+    """The chunk's output from the state carried into it and its ``W``, ``U``."""
+    causal, _, _, gamma, _, read, _, _ = _gates(rows, k.shape[0])
+    intra = jnp.where(causal, _nt(q, k) * gamma, 0.0)
+    return _nn(q * read, s) + _nn(intra, u - _nn(w, s))
+
+
+def _dstate_step(w, intra, q, k, rows, do, ds_next):
+    """The backward recurrence alone: ``dS`` carried into the chunk from the one carried out of it."""
+    _, _, _, _, _, read, write, carry = _gates(rows, k.shape[0])
+    dv_new = _tn(intra, do) + _nn(k * write, ds_next)
+    return _tn(q * read, do) + carry * ds_next - _tn(w, dv_new)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -300,43 +344,7 @@ def _forward_call(launch: Launch, q, k, v, gb, meta, s0):
             name="gated_delta_rule_fwd",
         )(q, k, v, gb, meta, s0)
 
-    def kernel(q_ref, k_ref, v_ref, gb_ref, meta_ref, s0_ref, o_ref, states_ref, sfin_ref):
-        def step(n, s):
-            t = pl.ds(pl.multiple_of(n * C, C), C)
-            states_ref[n] = s
-            o, s_next = _fwd_chunk(
-                q_ref[t, :].astype(f32),
-                k_ref[t, :].astype(f32),
-                v_ref[t, :].astype(f32),
-                _rows(gb_ref, meta_ref, (n,)),
-                s,
-            )
-            o_ref[t, :] = o
-            return s_next
-
-        sfin_ref[...] = lax.fori_loop(0, N, step, s0_ref[...].astype(f32))
-
-    return pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
-        grid=(B, H, NV),
-        in_specs=[
-            pl.BlockSpec((None, None, Tp, K), lambda b, h, j: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, Tp, K), lambda b, h, j: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, Tp, BV), lambda b, h, j: (b, h, 0, j)),
-            pl.BlockSpec((None, None, N, 2, C), lambda b, h, j: (b, h, 0, 0, 0)),
-            pl.BlockSpec((None, N, 4, C), lambda b, h, j: (b, 0, 0, 0)),
-            pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j)),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, Tp, BV), lambda b, h, j: (b, h, 0, j)),
-            pl.BlockSpec((None, None, N, K, BV), lambda b, h, j: (b, h, 0, 0, j)),
-            pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j)),
-        ],
-        compiler_params=_compiler_params(launch, 3, False),
-        interpret=launch.interpret,
-        name="gated_delta_rule_fwd",
-    )(q, k, v, gb, meta, s0)
+    return _forward_gpu(launch, q, k, v, gb, meta, s0)
 
 
 def _backward_call(launch: Launch, q, k, v, gb, meta, states, do, ds_final):
@@ -413,55 +421,223 @@ def _backward_call(launch: Launch, q, k, v, gb, meta, states, do, ds_final):
             name="gated_delta_rule_bwd",
         )(q, k, v, gb, meta, states, do, ds_final)
 
-    def kernel(
-        q_ref, k_ref, v_ref, gb_ref, meta_ref, st_ref, do_ref, dsf_ref,
-        dq_ref, dk_ref, dv_ref, dgb_ref, ds0_ref,
-    ):  # fmt: skip
-        def step(i, ds_next):
-            n = N - 1 - i
-            t = pl.ds(pl.multiple_of(n * C, C), C)
-            dq, dk, dv, dg, dbeta, ds = _bwd_chunk(
-                q_ref[t, :].astype(f32),
-                k_ref[t, :].astype(f32),
-                v_ref[t, :].astype(f32),
-                _rows(gb_ref, meta_ref, (n,)),
-                st_ref[n],
-                do_ref[t, :].astype(f32),
-                ds_next,
-            )
-            dq_ref[t, :] = dq
-            dk_ref[t, :] = dk
-            dv_ref[t, :] = dv
-            store_rows(dgb_ref, dg, dbeta, (n,))
-            return ds
+    return _backward_gpu(launch, q, k, v, gb, meta, states, do, ds_final, out_shape, store_rows)
 
-        ds0_ref[...] = lax.fori_loop(0, N, step, dsf_ref[...].astype(f32))
 
+# GPU: Triton has no sequential grid axis, and one program per (row, head, value block) alone would
+# leave most of the chip idle. So each direction is three kernels, as flash-linear-attention splits
+# it: the chunk-local work that needs no state (the UT transform) for all chunks at once; then only
+# the recurrence, one program per (row, head, value block) looping over the chunks; then the
+# chunk-local work that needs the states, for all chunks at once again.
+
+
+def _gpu_call(launch, kernel, grid, in_specs, out_specs, out_shape, name):
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(B, H, NV),
-        in_specs=[
-            pl.BlockSpec((None, None, Tp, K), lambda b, h, j: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, Tp, K), lambda b, h, j: (b, h, 0, 0)),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        compiler_params=_compiler_params(launch, len(grid), False),
+        interpret=launch.interpret,
+        name=name,
+    )
+
+
+def _forward_gpu(launch: Launch, q, k, v, gb, meta, s0):
+    B, H, Tp, K = q.shape
+    V = v.shape[-1]
+    C, BV = launch.chunk_size, launch.block_v
+    N, NV = Tp // C, V // BV
+    by_chunk_k = pl.BlockSpec((None, None, C, K), lambda b, h, n: (b, h, n, 0))
+    gb_chunk = pl.BlockSpec((None, None, None, 2, C), lambda b, h, n: (b, h, n, 0, 0))
+    meta_chunk = pl.BlockSpec((None, None, 4, C), lambda b, h, n: (b, n, 0, 0))
+
+    def prep(k_ref, v_ref, gb_ref, meta_ref, w_ref, u_ref):
+        w_ref[...], u_ref[...] = _prep_fwd(
+            k_ref[...].astype(f32), v_ref[...].astype(f32), _rows(gb_ref, meta_ref)
+        )
+
+    w, u = _gpu_call(
+        launch,
+        prep,
+        (B, H, N),
+        [by_chunk_k, pl.BlockSpec((None, None, C, V), lambda b, h, n: (b, h, n, 0)), gb_chunk, meta_chunk],
+        [by_chunk_k, pl.BlockSpec((None, None, C, V), lambda b, h, n: (b, h, n, 0))],
+        (jax.ShapeDtypeStruct((B, H, Tp, K), f32), jax.ShapeDtypeStruct((B, H, Tp, V), f32)),
+        "gated_delta_rule_fwd_prep",
+    )(k, v, gb, meta)
+
+    def recurrence(w_ref, u_ref, k_ref, gb_ref, meta_ref, s0_ref, states_ref, sfin_ref):
+        def step(n, s):
+            t = pl.ds(pl.multiple_of(n * C, C), C)
+            states_ref[n] = s
+            return _state_step(
+                w_ref[t, :], u_ref[t, :], k_ref[t, :].astype(f32), _rows(gb_ref, meta_ref, (n,)), s
+            )
+
+        sfin_ref[...] = lax.fori_loop(0, N, step, s0_ref[...].astype(f32))
+
+    whole_k = pl.BlockSpec((None, None, Tp, K), lambda b, h, j: (b, h, 0, 0))
+    state_block = pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j))
+    states, s_final = _gpu_call(
+        launch,
+        recurrence,
+        (B, H, NV),
+        [
+            whole_k,
             pl.BlockSpec((None, None, Tp, BV), lambda b, h, j: (b, h, 0, j)),
+            whole_k,
             pl.BlockSpec((None, None, N, 2, C), lambda b, h, j: (b, h, 0, 0, 0)),
             pl.BlockSpec((None, N, 4, C), lambda b, h, j: (b, 0, 0, 0)),
-            pl.BlockSpec((None, None, N, K, BV), lambda b, h, j: (b, h, 0, 0, j)),
-            pl.BlockSpec((None, None, Tp, BV), lambda b, h, j: (b, h, 0, j)),
-            pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j)),
+            state_block,
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, Tp, K), lambda b, h, j: (j, b, h, 0, 0)),
-            pl.BlockSpec((None, None, None, Tp, K), lambda b, h, j: (j, b, h, 0, 0)),
-            pl.BlockSpec((None, None, Tp, BV), lambda b, h, j: (b, h, 0, j)),
-            pl.BlockSpec((None, None, None, N, 2, C), lambda b, h, j: (j, b, h, 0, 0, 0)),
-            pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j)),
+        [pl.BlockSpec((None, None, N, K, BV), lambda b, h, j: (b, h, 0, 0, j)), state_block],
+        (jax.ShapeDtypeStruct((B, H, N, K, V), f32), jax.ShapeDtypeStruct((B, H, K, V), f32)),
+        "gated_delta_rule_fwd_states",
+    )(w, u, k, gb, meta, s0)
+
+    def out(q_ref, k_ref, w_ref, u_ref, gb_ref, meta_ref, st_ref, o_ref):
+        o_ref[...] = _out_chunk(
+            q_ref[...].astype(f32),
+            k_ref[...].astype(f32),
+            w_ref[...],
+            u_ref[...],
+            _rows(gb_ref, meta_ref),
+            st_ref[...],
+        )
+
+    chunk_k = pl.BlockSpec((None, None, C, K), lambda b, h, j, n: (b, h, n, 0))
+    chunk_v = pl.BlockSpec((None, None, C, BV), lambda b, h, j, n: (b, h, n, j))
+    o = _gpu_call(
+        launch,
+        out,
+        (B, H, NV, N),
+        [
+            chunk_k,
+            chunk_k,
+            chunk_k,
+            chunk_v,
+            pl.BlockSpec((None, None, None, 2, C), lambda b, h, j, n: (b, h, n, 0, 0)),
+            pl.BlockSpec((None, None, 4, C), lambda b, h, j, n: (b, n, 0, 0)),
+            pl.BlockSpec((None, None, None, K, BV), lambda b, h, j, n: (b, h, n, 0, j)),
         ],
-        compiler_params=_compiler_params(launch, 3, False),
-        interpret=launch.interpret,
-        name="gated_delta_rule_bwd",
-    )(q, k, v, gb, meta, states, do, ds_final)
+        chunk_v,
+        jax.ShapeDtypeStruct((B, H, Tp, V), f32),
+        "gated_delta_rule_fwd_out",
+    )(q, k, w, u, gb, meta, states)
+    return o, states, s_final
+
+
+def _backward_gpu(launch: Launch, q, k, v, gb, meta, states, do, ds_final, out_shape, store_rows):
+    B, H, Tp, K = q.shape
+    V = v.shape[-1]
+    C, BV = launch.chunk_size, launch.block_v
+    N, NV = Tp // C, V // BV
+    by_chunk_k = pl.BlockSpec((None, None, C, K), lambda b, h, n: (b, h, n, 0))
+    by_chunk_cc = pl.BlockSpec((None, None, None, C, C), lambda b, h, n: (b, h, n, 0, 0))
+
+    def prep(q_ref, k_ref, gb_ref, meta_ref, w_ref, intra_ref):
+        w_ref[...], intra_ref[...] = _prep_bwd(
+            q_ref[...].astype(f32), k_ref[...].astype(f32), _rows(gb_ref, meta_ref)
+        )
+
+    w, intra = _gpu_call(
+        launch,
+        prep,
+        (B, H, N),
+        [
+            by_chunk_k,
+            by_chunk_k,
+            pl.BlockSpec((None, None, None, 2, C), lambda b, h, n: (b, h, n, 0, 0)),
+            pl.BlockSpec((None, None, 4, C), lambda b, h, n: (b, n, 0, 0)),
+        ],
+        [by_chunk_k, by_chunk_cc],
+        (jax.ShapeDtypeStruct((B, H, Tp, K), f32), jax.ShapeDtypeStruct((B, H, N, C, C), f32)),
+        "gated_delta_rule_bwd_prep",
+    )(q, k, gb, meta)
+
+    def recurrence(w_ref, intra_ref, q_ref, k_ref, gb_ref, meta_ref, do_ref, dsf_ref, dsn_ref, ds0_ref):
+        def step(i, ds_next):
+            n = N - 1 - i
+            t = pl.ds(pl.multiple_of(n * C, C), C)
+            dsn_ref[n] = ds_next
+            return _dstate_step(
+                w_ref[t, :],
+                intra_ref[n],
+                q_ref[t, :].astype(f32),
+                k_ref[t, :].astype(f32),
+                _rows(gb_ref, meta_ref, (n,)),
+                do_ref[t, :].astype(f32),
+                ds_next,
+            )
+
+        ds0_ref[...] = lax.fori_loop(0, N, step, dsf_ref[...].astype(f32))
+
+    whole_k = pl.BlockSpec((None, None, Tp, K), lambda b, h, j: (b, h, 0, 0))
+    state_block = pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j))
+    ds_next, ds0 = _gpu_call(
+        launch,
+        recurrence,
+        (B, H, NV),
+        [
+            whole_k,
+            pl.BlockSpec((None, None, N, C, C), lambda b, h, j: (b, h, 0, 0, 0)),
+            whole_k,
+            whole_k,
+            pl.BlockSpec((None, None, N, 2, C), lambda b, h, j: (b, h, 0, 0, 0)),
+            pl.BlockSpec((None, N, 4, C), lambda b, h, j: (b, 0, 0, 0)),
+            pl.BlockSpec((None, None, Tp, BV), lambda b, h, j: (b, h, 0, j)),
+            state_block,
+        ],
+        [pl.BlockSpec((None, None, N, K, BV), lambda b, h, j: (b, h, 0, 0, j)), state_block],
+        (jax.ShapeDtypeStruct((B, H, N, K, V), f32), jax.ShapeDtypeStruct((B, H, K, V), f32)),
+        "gated_delta_rule_bwd_states",
+    )(w, intra, q, k, gb, meta, do, ds_final)
+
+    def grads(
+        q_ref, k_ref, v_ref, gb_ref, meta_ref, st_ref, do_ref, dsn_ref, dq_ref, dk_ref, dv_ref, dgb_ref
+    ):
+        dq, dk, dv, dg, dbeta, _ = _bwd_chunk(
+            q_ref[...].astype(f32),
+            k_ref[...].astype(f32),
+            v_ref[...].astype(f32),
+            _rows(gb_ref, meta_ref),
+            st_ref[...],
+            do_ref[...].astype(f32),
+            dsn_ref[...],
+        )
+        dq_ref[...], dk_ref[...], dv_ref[...] = dq, dk, dv
+        store_rows(dgb_ref, dg, dbeta)
+
+    chunk_k = pl.BlockSpec((None, None, C, K), lambda b, h, j, n: (b, h, n, 0))
+    chunk_v = pl.BlockSpec((None, None, C, BV), lambda b, h, j, n: (b, h, n, j))
+    chunk_state = pl.BlockSpec((None, None, None, K, BV), lambda b, h, j, n: (b, h, n, 0, j))
+    partial_k = pl.BlockSpec((None, None, None, C, K), lambda b, h, j, n: (j, b, h, n, 0))
+    dq, dk, dv, dgb = _gpu_call(
+        launch,
+        grads,
+        (B, H, NV, N),
+        [
+            chunk_k,
+            chunk_k,
+            chunk_v,
+            pl.BlockSpec((None, None, None, 2, C), lambda b, h, j, n: (b, h, n, 0, 0)),
+            pl.BlockSpec((None, None, 4, C), lambda b, h, j, n: (b, n, 0, 0)),
+            chunk_state,
+            chunk_v,
+            chunk_state,
+        ],
+        [
+            partial_k,
+            partial_k,
+            chunk_v,
+            pl.BlockSpec((None, None, None, None, 2, C), lambda b, h, j, n: (j, b, h, n, 0, 0)),
+        ],
+        out_shape[:4],
+        "gated_delta_rule_bwd_grads",
+    )(q, k, v, gb, meta, states, do, ds_next)
+    return dq, dk, dv, dgb, ds0
 
 
 # ------------------------------------------------------------------------------------------------
