@@ -4,8 +4,11 @@
 
 Prints start / exec / shell latency (median, p95) per backend, next to a plain host subprocess
 (``subprocess.run(["true"])``), and episodes/s through the pool at each concurrency, relative to
-concurrency 1. An episode = start a sandbox, write a file, run a small Python verifier that writes
-/logs/verifier/reward.txt, read the reward back, close.
+concurrency 1. An episode = start a sandbox, write a file, run a small Python verifier through
+``Sandbox.run_verifier`` (its own namespaces, /tests and /logs/verifier out of the agent's reach),
+read the reward it wrote, close. ``verifier`` latency is one ``run_verifier`` of that verifier, next
+to ``exec verifier``: the same command run as a plain ``exec`` in the agent's namespaces (what the
+runner did before the verifier had namespaces of its own), so their difference is the isolation's cost.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ import statistics
 import subprocess
 import tempfile
 import time
+from pathlib import Path
 
 from tmax_jax.sandbox import SandboxConfig, SandboxPool, make_sandbox
+from tmax_jax.tasks.reward import parse_reward
 
 VERIFIER = (
     "python3 -c \"import pathlib; ok = pathlib.Path('/app/answer.txt').read_text().strip() == '42'; "
@@ -64,13 +69,33 @@ def latency(cfg: SandboxConfig, n_start: int, n_exec: int) -> dict[str, list[flo
             t = time.perf_counter()
             sh.run("true")
             shells.append(time.perf_counter() - t)
-    return {"start": starts, "close": closes, "exec": execs, "shell": shells}
+        sb.write_file("/app/answer.txt", "42\n")
+        verifier, exec_verifier = [], []
+        for _ in range(max(5, n_exec // 5)):
+            t = time.perf_counter()
+            sb.exec(VERIFIER)
+            exec_verifier.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            sb.run_verifier(TESTS, ["/bin/bash", "/tests/test.sh"], timeout=60)
+            verifier.append(time.perf_counter() - t)
+    return {
+        "start": starts,
+        "close": closes,
+        "exec": execs,
+        "shell": shells,
+        "exec verifier": exec_verifier,
+        "verifier": verifier,
+    }
+
+
+TESTS = Path(tempfile.mkdtemp(prefix="tmax-bench-tests-"))
+(TESTS / "test.sh").write_text(VERIFIER + "\n")
 
 
 def episode(sb) -> float:
     sb.write_file("/app/answer.txt", "42\n")
-    sb.exec(VERIFIER)
-    return float(sb.read_file("/logs/verifier/reward.txt"))
+    run = sb.run_verifier(TESTS, ["/bin/bash", "/tests/test.sh"], timeout=60)
+    return parse_reward(run.logs).value
 
 
 def throughput(cfg: SandboxConfig, concurrency: int, episodes: int) -> tuple[float, dict]:
@@ -115,8 +140,10 @@ def main() -> None:
             lat = latency(cfg, n_start, n_exec)
             med = statistics.median(base)
             print(f"\n[{backend}]")
-            for k in ("start", "close", "exec", "shell"):
-                print(f"  {k:<6} {fmt(lat[k])}   (x{statistics.median(lat[k]) / med:6.1f} host subprocess)")
+            for k in ("start", "close", "exec", "shell", "exec verifier", "verifier"):
+                print(f"  {k:<13} {fmt(lat[k])}   (x{statistics.median(lat[k]) / med:6.1f} host subprocess)")
+            extra = statistics.median(lat["verifier"]) - statistics.median(lat["exec verifier"])
+            print(f"  verifier isolation adds {extra * 1e3:+.1f} ms median per verification")
             rates = {}
             for c in [int(x) for x in args.concurrency.split(",")]:
                 if backend == "podman" and c > 8:
