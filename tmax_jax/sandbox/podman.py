@@ -52,11 +52,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from tmax_jax.errors import SandboxError
-from tmax_jax.sandbox import podman_toolchain
-from tmax_jax.sandbox.base import VERIFIER_ENV, Sandbox, VerifierRun
+from tmax_jax.sandbox import podman_toolchain, seccomp
+from tmax_jax.sandbox.base import VERIFIER_ENV, Sandbox, VerifierRun, exec_result
 from tmax_jax.sandbox.config import ExecResult, SandboxConfig
 from tmax_jax.sandbox.podman_images import PodmanImage, ensure_base_image
-from tmax_jax.sandbox.procs import TRUNCATION_MARKER, kill_tree, run_capped
+from tmax_jax.sandbox.procs import kill_tree, run_capped
 
 # Container uid/gid 0..65535 are host ids 100000..165535: no host file or process belongs to them.
 ID_BASE = 100000
@@ -77,55 +77,22 @@ DOCKER_CAPS = (
     "AUDIT_WRITE",
     "SETFCAP",
 )
-SECCOMP_DENY = (
-    "mount",
-    "umount",
-    "umount2",
-    "move_mount",
-    "open_tree",
-    "fsopen",
-    "fsconfig",
-    "fsmount",
-    "fspick",
-    "mount_setattr",
-    "pivot_root",
-    "ptrace",
-    "process_vm_readv",
-    "process_vm_writev",
-    "process_madvise",
-    "kcmp",
-    "pidfd_getfd",
-    "keyctl",
-    "add_key",
-    "request_key",
-    "bpf",
-    "perf_event_open",
-    "io_uring_setup",
-    "io_uring_enter",
-    "io_uring_register",
-    "setns",
-    "unshare",
-    "kexec_load",
-    "kexec_file_load",
-    "init_module",
-    "finit_module",
-    "delete_module",
-    "open_by_handle_at",
-    "name_to_handle_at",
-    "userfaultfd",
-    "fanotify_init",
-    "lookup_dcookie",
-    "quotactl",
-    "quotactl_fd",
-    "syslog",
-    "acct",
-    "swapon",
-    "swapoff",
-    "reboot",
+# The bwrap backend's list (seccomp.DENIED), plus what podman's default profile lets through besides.
+SECCOMP_DENY = tuple(
+    sorted(set(seccomp.DENIED) | {"umount", "process_madvise", "fanotify_init", "clock_settime64", "stime"})
 )
-# clone(2) flags that make namespaces; clone3 cannot be filtered by its flags (they are in memory),
-# so it fails with ENOSYS and glibc falls back to clone.
-_CLONE_NS_FLAGS = 0x7E020000
+# clone(2) with a namespace flag fails with EPERM (as under bwrap); clone3 cannot be filtered by its
+# flags (they are in memory), so it fails with ENOSYS and glibc falls back to clone.
+_CLONE_NS_FLAGS = (
+    0x00000080,
+    0x00020000,
+    0x02000000,
+    0x04000000,
+    0x08000000,
+    0x10000000,
+    0x20000000,
+    0x40000000,
+)
 PODMAN_SECCOMP = Path("/usr/share/containers/seccomp.json")
 SHM_MB = 64
 VERIFY_LOG_CAP = 4 << 20
@@ -139,13 +106,23 @@ def _tighten(base: dict) -> dict:
         if names:
             rules.append({**rule, "names": names})
     rules.append({"names": sorted(SECCOMP_DENY), "action": "SCMP_ACT_ERRNO", "errnoRet": 1})
+    ns = sum(_CLONE_NS_FLAGS)
     rules.append(
         {
             "names": ["clone"],
             "action": "SCMP_ACT_ALLOW",
-            "args": [{"index": 0, "value": _CLONE_NS_FLAGS, "valueTwo": 0, "op": "SCMP_CMP_MASKED_EQ"}],
+            "args": [{"index": 0, "value": ns, "valueTwo": 0, "op": "SCMP_CMP_MASKED_EQ"}],
         }
     )
+    for flag in _CLONE_NS_FLAGS:
+        rules.append(
+            {
+                "names": ["clone"],
+                "action": "SCMP_ACT_ERRNO",
+                "errnoRet": 1,
+                "args": [{"index": 0, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ"}],
+            }
+        )
     rules.append({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38})
     return {**base, "syscalls": rules}
 
@@ -401,11 +378,7 @@ class PodmanSandbox(Sandbox):
         self.exec_durations.append(got.duration_s)
         if got.timed_out or got.truncated:
             kill(None)
-        out = got.stdout.decode("utf-8", "replace")
-        err = got.stderr.decode("utf-8", "replace")
-        if got.truncated:
-            err += TRUNCATION_MARKER.format(cap=cap)
-        return ExecResult(out, err, got.exit_code, got.timed_out, got.truncated, got.duration_s)
+        return exec_result(got, cap)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def _alive(self) -> bool:

@@ -164,6 +164,13 @@ def protected(rel: str, is_dir: bool = False) -> bool:
     return not is_dir and bool(_LIB_DIR.fullmatch(parent))
 
 
+def _toolchain_dir(rel: str) -> bool:
+    """A dir of the toolchain itself: if it appears in the upper dir, something is being written there."""
+    if rel in SPINE:
+        return False
+    return bool(rel in PATH_DIRS or _PY_TREE.match(rel) or _ETC.match(rel) or _LIB_DIR.fullmatch(rel))
+
+
 def _static_reason(rel: str, kind: str, full: str, image: _Image) -> str | None:
     where = "/" + rel
     if rel in ROOT_CONFIGS:
@@ -294,6 +301,7 @@ class Watch:
         self._reason: str | None = None
         self._fd = -1
         self._stop = threading.Event()
+        self._wake_r, self._wake_w = -1, -1
         self._thread: threading.Thread | None = None
 
     def _flag(self, reason: str) -> None:
@@ -316,7 +324,8 @@ class Watch:
             return
         for name in names:
             child = f"{rel}/{name}" if rel else name
-            if appeared and protected(child, os.path.isdir(os.path.join(self.upper, child))):
+            is_dir = os.path.isdir(os.path.join(self.upper, child))
+            if appeared and (protected(child, is_dir) or (is_dir and _toolchain_dir(child))):
                 self._flag(f"/{child} appeared while the verifier ran")
             if _descend(child) and os.path.isdir(os.path.join(self.upper, child)):
                 if not os.path.islink(os.path.join(self.upper, child)):
@@ -328,6 +337,7 @@ class Watch:
             self._flag(f"inotify is unavailable: {os.strerror(ctypes.get_errno())}")
             return self
         self._add("", appeared=False)
+        self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._loop, name="tmax-toolchain-watch", daemon=True)
         self._thread.start()
         return self
@@ -362,21 +372,27 @@ class Watch:
         rel = f"{base}/{name}" if base else name
         if protected(rel, bool(mask & _IN_ISDIR)):
             self._flag(f"/{rel} changed while the verifier ran")
-        if mask & _IN_ISDIR and mask & (_IN_CREATE | _IN_MOVED_TO) and _descend(rel):
-            self._add(rel, appeared=True)
+        if mask & _IN_ISDIR and mask & (_IN_CREATE | _IN_MOVED_TO):
+            if _toolchain_dir(rel):
+                self._flag(f"/{rel} appeared while the verifier ran")
+            if _descend(rel):
+                self._add(rel, appeared=True)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            r, _, _ = select.select([self._fd], [], [], 0.1)
-            if r:
+            r, _, _ = select.select([self._fd, self._wake_r], [], [], 1.0)
+            if self._fd in r:
                 self._read()
 
     def stop(self) -> str | None:
         if self._thread is not None:
             self._stop.set()
+            os.write(self._wake_w, b"x")
             self._thread.join()
             while self._read():
                 pass
+            os.close(self._wake_r)
+            os.close(self._wake_w)
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
