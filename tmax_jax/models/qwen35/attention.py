@@ -7,12 +7,49 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tmax_jax.models.qwen35.config import Qwen35Config
+from tmax_jax.models.qwen35.flash_attention import MASKED, flash_attention
 from tmax_jax.models.qwen35.norms import zero_centred_rms_norm
 from tmax_jax.models.qwen35.params import constant, make_param, normal
 from tmax_jax.models.qwen35.rope import apply_partial_rope
 
-_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked pad row stays NaN-free
-QUERY_BLOCK = 1024
+QUERY_BLOCK = 1024  # up to this many queries and keys, one unblocked softmax (fastest on CPU)
+FLASH_BLOCK = 512  # past it, query and key blocks of the flash form
+SPLASH_BLOCK = 512  # the TPU kernel's block; rows whose length it does not divide use the flash form
+
+
+def _unblocked(q, k, v, q_idx, q_seg, k_idx, k_seg):
+    E = q.shape[-1]
+    scores = jnp.einsum("btgre,bsge->bgrts", q, k, preferred_element_type=jnp.float32) * (E**-0.5)
+    mask_BxTxS = (k_idx[None, None, :] <= q_idx[:, :, None]) & (k_seg[:, None, :] == q_seg[:, :, None])
+    scores = jnp.where(mask_BxTxS[:, None, None], scores, MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    return jnp.einsum("bgrts,bsge->btgre", probs, v)
+
+
+def splash_attention(q_BxTxGxRxE, k_BxTxGxE, v_BxTxGxE, seg_BxT, *, interpret: bool = False):
+    """Causal self-attention with segment ids through the Pallas TPU splash kernel (forward and
+    backward in O(T) memory). On CPU only in Pallas interpret mode (tests)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    B, T, G, R, E = q_BxTxGxRxE.shape
+    H = G * R
+    block = min(SPLASH_BLOCK, T)
+    sizes = sk.BlockSizes(
+        block_q=block, block_kv=block, block_kv_compute=block,
+        block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+        block_q_dq=block, block_kv_dq=block,
+    )  # fmt: skip
+    mask = sm.MultiHeadMask([sm.CausalMask((T, T)) for _ in range(H)])
+    kernel = sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    # The kernel does not scale the scores; query head h = g * R + r reads kv head h // R, as ours.
+    q_BxHxTxE = (q_BxTxGxRxE * E**-0.5).reshape(B, T, H, E).transpose(0, 2, 1, 3)
+    k_BxGxTxE, v_BxGxTxE = k_BxTxGxE.transpose(0, 2, 1, 3), v_BxTxGxE.transpose(0, 2, 1, 3)
+    segs = sk.SegmentIds(q=seg_BxT, kv=seg_BxT)
+    out_BxHxTxE = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=s))(
+        q_BxHxTxE, k_BxGxTxE, v_BxGxTxE, segs
+    )
+    return out_BxHxTxE.transpose(0, 2, 1, 3).reshape(B, T, G, R, E)
 
 
 def masked_attention(
@@ -25,38 +62,24 @@ def masked_attention(
     k_seg_BxS: jax.Array,
     *,
     block: int = QUERY_BLOCK,
+    causal_self: bool = False,
 ) -> jax.Array:
     """Softmax attention (scores and softmax in float32) where query t sees key s iff
     ``k_idx[s] <= q_idx[t]`` and ``k_seg[s] == q_seg[t]``.
 
-    Past ``block`` queries the queries run in blocks, each rematerialised in the backward pass, so
-    memory grows with ``block * S`` rather than ``T * S``.
+    Up to ``block`` queries and keys: one softmax. Past it, memory is O(T): on TPU, for causal
+    self-attention (``causal_self``: keys are the queries, ``k_idx = q_idx = arange``), the Pallas
+    splash kernel; elsewhere the blockwise flash form with its own backward pass (flash_attention.py).
+    cuDNN's fused attention (``jax.nn.dot_product_attention``) is not used: the installed JAX gives it
+    no segment ids, and packing needs them.
     """
-    B, T, G, R, E = q_BxTxGxRxE.shape
-    dt = q_BxTxGxRxE.dtype
-
-    def attend(q, q_idx, q_seg):
-        scores = jnp.einsum("btgre,bsge->bgrts", q, k_BxSxGxE, preferred_element_type=jnp.float32) * (E**-0.5)
-        mask_BxTxS = (k_idx_S[None, None, :] <= q_idx[:, :, None]) & (
-            k_seg_BxS[:, None, :] == q_seg[:, :, None]
-        )
-        scores = jnp.where(mask_BxTxS[:, None, None], scores, _MASKED)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        return jnp.einsum("bgrts,bsge->btgre", probs, v_BxSxGxE)
-
-    if T <= block:
-        return attend(q_BxTxGxRxE, q_idx_BxT, q_seg_BxT)
-    pad = (-T) % block
-    n = (T + pad) // block
-
-    def blocks(x):
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        return jnp.moveaxis(x.reshape(B, n, block, *x.shape[2:]), 1, 0)
-
-    out = jax.lax.map(
-        lambda xs: jax.checkpoint(attend)(*xs), (blocks(q_BxTxGxRxE), blocks(q_idx_BxT), blocks(q_seg_BxT))
-    )
-    return jnp.moveaxis(out, 0, 1).reshape(B, n * block, G, R, E)[:, :T]
+    T, S = q_BxTxGxRxE.shape[1], k_BxSxGxE.shape[1]
+    if T <= block and S <= block:
+        return _unblocked(q_BxTxGxRxE, k_BxSxGxE, v_BxSxGxE, q_idx_BxT, q_seg_BxT, k_idx_S, k_seg_BxS)
+    if causal_self and jax.default_backend() == "tpu" and T % min(SPLASH_BLOCK, T) == 0:
+        return splash_attention(q_BxTxGxRxE, k_BxSxGxE, v_BxSxGxE, q_seg_BxT)
+    b = min(block, FLASH_BLOCK)
+    return flash_attention(q_BxTxGxRxE, k_BxSxGxE, v_BxSxGxE, q_idx_BxT, q_seg_BxT, k_idx_S, k_seg_BxS, b, b)
 
 
 class GatedAttention(nnx.Module):
@@ -132,7 +155,15 @@ class GatedAttention(nnx.Module):
         G = keys.shape[2]
         q_BxTxGxRxE = q_BxTxHxE.reshape(B, T, G, H // G, hd)
         attn_BxTxGxRxE = masked_attention(
-            q_BxTxGxRxE, keys, values, q_idx_BxT, q_seg_BxT, k_idx_S, k_seg_BxS, block=self.query_block
+            q_BxTxGxRxE,
+            keys,
+            values,
+            q_idx_BxT,
+            q_seg_BxT,
+            k_idx_S,
+            k_seg_BxS,
+            block=self.query_block,
+            causal_self=kv_cache is None,
         )
         attn_BxTxHxE = attn_BxTxGxRxE.reshape(B, T, H, hd) * jax.nn.sigmoid(gate_BxTxHxE)
         out_BxTxD = jnp.einsum("bthe,hed->btd", attn_BxTxHxE, self.o_proj[...].astype(dt))
