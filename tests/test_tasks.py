@@ -259,6 +259,34 @@ def test_cli_run_task_json(cfg):
     assert r.returncode == 2 and "task directory not found" in r.stderr
 
 
+def test_cli_run_task_scores_a_malformed_task(cfg, tmp_path):
+    d = tmp_path / "bad"
+    shutil.copytree(HARBOR, d)
+    toml = (d / "task.toml").read_text()
+    (d / "task.toml").write_text(toml.replace("cpus = 1\n", "cpus = 0.001\n"))
+    r = _cli("run-task", str(d), "--oracle", "--json", cache=cfg.cache_dir)
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert r.returncode == 1 and out["reward"] == 0.0 and "cpus" in out["reason"], (r.stdout, r.stderr)
+
+
+def test_agent_code_errors_propagate_sandbox_errors_score_zero(cfg):
+    task = load_task(HARBOR)
+
+    def buggy_policy(task, shell):
+        raise RuntimeError("engine bug")
+
+    with pytest.raises(RuntimeError, match="engine bug"):
+        run_task(task, buggy_policy, cfg)
+
+    def kills_the_sandbox(task, shell):
+        shell.run("kill -9 1")  # pid 1 of the sandbox ignores it from inside; the shell goes on
+        shell.sandbox.close()  # as a dead sandbox would: every later step fails
+        return "done"
+
+    res = run_task(task, kills_the_sandbox, cfg)
+    assert res.reward == 0.0 and "not running" in res.reason, res.reason
+
+
 def test_cli_run_tasks_summary(cfg):
     r = _cli("run-tasks", str(TASKS), "--oracle", "--concurrency", "2", cache=cfg.cache_dir)
     assert r.returncode == 0, r.stderr

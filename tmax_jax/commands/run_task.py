@@ -50,11 +50,19 @@ def _config(args):
 
 
 def run(args) -> int:
+    from tmax_jax.errors import TmaxError
     from tmax_jax.tasks import load_task
-    from tmax_jax.tasks.runner import run_task
+    from tmax_jax.tasks.runner import TaskResult, run_task
 
-    task = load_task(args.task_dir)
-    res = run_task(task, "oracle" if args.oracle else None, _config(args))
+    try:
+        task = load_task(args.task_dir)
+    except TmaxError as e:
+        if not Path(args.task_dir).is_dir():
+            raise
+        # A task that is there but malformed is scored, not crashed on: --json gets a result line.
+        res = TaskResult(Path(args.task_dir).name, 0.0, False, f"bad task: {e}", 0.0)
+    else:
+        res = run_task(task, "oracle" if args.oracle else None, _config(args))
     if args.json:
         print(json.dumps(res.to_json()))
     else:

@@ -96,8 +96,19 @@ def run_task(
         return result(0.0, f"episode timeout: {e}")
     except TmaxError as e:
         return result(0.0, f"sandbox error: {e}")
+    except _AgentRaised as e:
+        raise e.original from None
     except Exception as e:  # noqa: BLE001 - whatever an episode does, the run goes on with a 0
         return result(0.0, f"episode failed: {type(e).__name__}: {e}", traceback.format_exc())
+
+
+class _AgentRaised(Exception):
+    """An exception of the caller's own agent code (the policy, the engine): it is the caller's to
+    handle, never turned into a reward of 0 that would hide a trainer bug."""
+
+    def __init__(self, original: BaseException):
+        super().__init__(str(original))
+        self.original = original
 
 
 def initial_state(task: Task, sb: Sandbox) -> tuple[bool, str, str]:
@@ -173,6 +184,10 @@ def _episode(task: Task, sb: Sandbox, agent, phases, result) -> TaskResult:
                 agent_out = agent(task, sh)
             except EpisodeTimeout:
                 agent_note = "agent timeout"
+            except TmaxError:
+                raise
+            except Exception as e:
+                raise _AgentRaised(e) from e
         elif agent is not None:
             raise TaskFormatError(f"agent must be 'oracle', a callable or None, got {agent!r}")
     except EpisodeTimeout:
