@@ -156,8 +156,9 @@ def build_layer(cfg: SandboxConfig, recipe: Recipe, timeout_s: float = 600.0, lo
         if r.returncode != 0:
             shutil.rmtree(tmp, ignore_errors=True)
             raise SandboxError(f"saving layer failed: {r.stderr[-500:]}")
-    # /logs and /tests belong to the episode, never to the environment.
-    for p in ("logs", "tests", "solution"):
+    # /logs and /tests belong to the episode, never to the environment; .tmax holds the sandbox's
+    # scratch (/tmp, /run, /dev/shm), which a layer never kept.
+    for p in ("logs", "tests", "solution", ".tmax"):
         shutil.rmtree(tmp / "fs" / p, ignore_errors=True)
     (tmp / "meta.json").write_text(
         json.dumps({"env": env, "workdir": workdir, "base": recipe.base, "rootfs": rootfs_spec})
