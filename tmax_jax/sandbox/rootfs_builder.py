@@ -8,7 +8,6 @@ is reachable.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 import re
@@ -17,7 +16,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tmax_jax.cache_publish import build_tree, check_tree, file_lock, lock_path, publish_tree
 from tmax_jax.errors import SandboxError
+
+ID_FILE = ".tmax-rootfs-id"
+# Bump when what the builder writes changes, so caches of the old layout are rebuilt.
+ROOTFS_FORMAT = 2
+STDLIB_PROBE = "import importlib, json, encodings, email, sqlite3, ssl, pytest"
 
 TOOLS = (
     "bash sh dash env setpriv sleep cat ls cp mv rm mkdir rmdir ln chmod chown touch echo printf test "
@@ -64,13 +69,8 @@ def _usr_path(p: Path) -> Path:
     return p
 
 
-def build_host_rootfs(dest: Path, python: str = "/usr/bin/python3") -> Path:
-    """Write the rootfs into ``dest`` (created; must not exist). Returns ``dest``."""
-    dest = Path(dest)
-    if dest.exists():
-        raise SandboxError(f"rootfs destination {dest} already exists")
-    tmp = dest.with_name(dest.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+def _write_host_rootfs(tmp: Path, python: str) -> None:
+    """Fill the empty directory ``tmp`` with the rootfs."""
     for d in (
         "usr/bin",
         "usr/sbin",
@@ -138,8 +138,23 @@ def build_host_rootfs(dest: Path, python: str = "/usr/bin/python3") -> Path:
             shutil.copy2(src, site / src.name)
     # Read-only at run time, so compile now: pytest imports ~2x faster with .pyc files present.
     subprocess.run(
-        [str(py), "-m", "compileall", "-q", str(site), str(tmp / str(stdlib).lstrip("/"))],
+        # -s/-p: the .pyc files name their sources by the paths they have inside the rootfs, not
+        # by the temporary build dir; with a fixed hash seed (set constants marshal in one order)
+        # two builds of one host are byte-identical and get the same content id.
+        [
+            str(py),
+            "-m",
+            "compileall",
+            "-q",
+            "-s",
+            str(tmp),
+            "-p",
+            "/",
+            str(site),
+            str(tmp / str(stdlib).lstrip("/")),
+        ],
         capture_output=True,
+        env={**os.environ, "PYTHONHASHSEED": "0"},
     )
     seen: set[Path] = set()
     todo = list(elfs)
@@ -162,11 +177,41 @@ def build_host_rootfs(dest: Path, python: str = "/usr/bin/python3") -> Path:
     (tmp / "etc/group").write_text("root:x:0:\nnogroup:x:65534:\n")
     (tmp / "etc/hosts").write_text("127.0.0.1 localhost\n::1 localhost\n")
     (tmp / "etc/os-release").write_text('NAME="tmax-jax host-derived rootfs"\nID=debian\n')
-    h = hashlib.sha256()
-    for f in sorted((tmp / "usr/bin").iterdir()):
-        h.update(f.name.encode() + str(f.lstat().st_size).encode())
-    (tmp / ".tmax-rootfs-id").write_text(h.hexdigest()[:16] + "\n")
-    tmp.rename(dest)
+    # Never publish a rootfs whose Python cannot start from its own standard library.
+    r = subprocess.run(
+        [str(tmp / "usr/bin" / py.name), "-I", "-c", STDLIB_PROBE],
+        env={"PYTHONHOME": str(tmp / "usr"), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode != 0:
+        raise SandboxError(f"the rootfs's python3 cannot import its standard library: {r.stderr[-800:]}")
+
+
+def _write_id(tmp: Path, manifest: dict) -> None:
+    (tmp / ID_FILE).write_text(rootfs_id(manifest) + "\n")
+
+
+def rootfs_id(manifest: dict) -> str:
+    """The rootfs's content id: a prefix of its manifest's digest (paths, modes, sizes, hashes)."""
+    return manifest["id"][:16]
+
+
+def build_host_rootfs(dest: Path, python: str = "/usr/bin/python3") -> Path:
+    """Write the rootfs into ``dest`` (created; must not exist), atomically. Returns ``dest``."""
+    dest = Path(dest)
+    if os.path.lexists(dest):
+        raise SandboxError(f"rootfs destination {dest} already exists")
+    with file_lock(lock_path(dest)):
+        if os.path.lexists(dest):
+            raise SandboxError(f"rootfs destination {dest} already exists")
+        build_tree(
+            dest,
+            lambda tmp: _write_host_rootfs(tmp, python),
+            skip=frozenset({ID_FILE}),
+            extra={"rootfs_format": ROOTFS_FORMAT, "python": python},
+            after=_write_id,
+        )
     return dest
 
 
@@ -190,16 +235,38 @@ def debootstrap_rootfs(
     )
     if r.returncode != 0:
         raise SandboxError(f"debootstrap failed: {r.stderr[-1500:]}")
-    (Path(dest) / ".tmax-rootfs-id").write_text(f"debootstrap-{suite}\n")
+    (Path(dest) / ID_FILE).write_text(f"debootstrap-{suite}\n")
     return Path(dest)
 
 
-def cached_host_rootfs(cache_dir: str | Path) -> tuple[Path, str]:
-    """The minimal host-derived rootfs under ``cache_dir`` (built once) and its content id; the base
-    of the podman image and of the apptainer .sif."""
+def check_rootfs(root: str | Path) -> tuple[dict | None, str | None]:
+    """(manifest, None) when the rootfs at ``root`` is complete, else (None, why not); cheap."""
+    doc, why = check_tree(root)
+    if doc is None:
+        return None, why
+    if doc["extra"].get("rootfs_format") != ROOTFS_FORMAT:
+        return None, f"{root} was built by another rootfs builder version"
+    try:
+        ident = (Path(root) / ID_FILE).read_text().strip()
+    except OSError:
+        return None, f"{root} has no {ID_FILE}"
+    if ident != rootfs_id(doc):
+        return None, f"{root}/{ID_FILE} says {ident}, its manifest {rootfs_id(doc)}"
+    return doc, None
+
+
+def cached_host_rootfs(cache_dir: str | Path, python: str = "/usr/bin/python3") -> tuple[Path, str]:
+    """The minimal host-derived rootfs under ``cache_dir`` and its content id; the base of the
+    podman image and of the apptainer .sif. Built once across processes (under a lock, into a
+    temporary dir renamed into place); checked against its manifest on every call and rebuilt when
+    damaged or unfinished."""
     rootfs_dir = Path(cache_dir) / "rootfs" / "host-minimal"
-    if not (rootfs_dir / ".tmax-rootfs-id").is_file():
-        shutil.rmtree(rootfs_dir, ignore_errors=True)
-        rootfs_dir.parent.mkdir(parents=True, exist_ok=True)
-        build_host_rootfs(rootfs_dir)
-    return rootfs_dir, (rootfs_dir / ".tmax-rootfs-id").read_text().strip()
+    doc, _ = publish_tree(
+        rootfs_dir,
+        lambda tmp: _write_host_rootfs(tmp, python),
+        skip=frozenset({ID_FILE}),
+        extra={"rootfs_format": ROOTFS_FORMAT, "python": python},
+        after=_write_id,
+        check=check_rootfs,
+    )
+    return rootfs_dir, rootfs_id(doc)
