@@ -6,6 +6,7 @@ Accelerator (--accelerator): the 0.8B shape in bfloat16, tokens/s and model FLOP
 
     python benchmarks/bench_model.py
     python benchmarks/bench_model.py --accelerator --peak-tflops 989
+    python benchmarks/bench_model.py --delta-only --repeats 2   # only the delta-rule forms
 """
 
 from __future__ import annotations
@@ -165,11 +166,15 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--delta-seq", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--delta-only", action="store_true", help="only chunked vs recurrent delta rule")
     p.add_argument(
         "--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the chip (H100/H200: 989)"
     )
     args = p.parse_args()
-    bench_accelerator(args) if args.accelerator else bench_cpu(args)
+    if args.delta_only:
+        bench_delta_rule(args.delta_seq, args.repeats)
+    else:
+        bench_accelerator(args) if args.accelerator else bench_cpu(args)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The gated delta rule: chunked == recurrent == a NumPy loop == transformers' torch reference,
-packing restarts the state exactly, and pads are no-ops."""
+packing restarts the state exactly, pads are no-ops, and the chunked form's own backward pass matches a
+hand-written float64 NumPy backward and autodiff of the recurrent form."""
 
 import jax
 import jax.numpy as jnp
@@ -110,3 +111,182 @@ def test_tokens_with_zero_decay_and_beta_leave_the_state_unchanged():
     np.testing.assert_allclose(s_pad, s_trim, atol=1e-6, rtol=1e-6)
     _, s_step = recurrent(q[:, :1], k[:, :1], v[:, :1], g2[:, n : n + 1], beta2[:, n : n + 1], s0)
     np.testing.assert_array_equal(s_step, s0)
+
+
+def numpy_delta_rule_vjp(q, k, v, g, beta, s0, groups, d_out, d_final):
+    """Reverse-mode of the per-token loop by hand, float64: gradients of ``sum(out * d_out) +
+    sum(final * d_final)`` w.r.t. q, k, v, g, beta and the initial state."""
+    q, k, v, g, beta, s0, d_out, d_final = (
+        np.asarray(x, np.float64) for x in (q, k, v, g, beta, s0, d_out, d_final)
+    )
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    groups = np.zeros((B, T), np.int64) if groups is None else np.asarray(groups)
+    dq, dk, dv, dg, dbeta = (np.zeros_like(x) for x in (q, k, v, g, beta))
+    ds0 = np.zeros_like(s0)
+    for b in range(B):
+        # Forward, keeping each token's incoming (post-reset) state.
+        s, prev, before = s0[b].copy(), 0, []
+        for t in range(T):
+            if groups[b, t] != prev:
+                s, prev = np.zeros((H, K, V)), groups[b, t]
+            before.append(s)
+            s1 = s * np.exp(g[b, t])[:, None, None]
+            delta = (v[b, t] - np.einsum("hk,hkv->hv", k[b, t], s1)) * beta[b, t][:, None]
+            s = s1 + k[b, t][:, :, None] * delta[:, None, :]
+        ds = d_final[b].copy()
+        for t in reversed(range(T)):
+            s = before[t]
+            e = np.exp(g[b, t])[:, None, None]
+            s1 = s * e
+            err = v[b, t] - np.einsum("hk,hkv->hv", k[b, t], s1)
+            delta = err * beta[b, t][:, None]
+            s2 = s1 + k[b, t][:, :, None] * delta[:, None, :]
+            dq[b, t] = np.einsum("hkv,hv->hk", s2, d_out[b, t])
+            ds2 = ds + q[b, t][:, :, None] * d_out[b, t][:, None, :]
+            d_delta = np.einsum("hkv,hk->hv", ds2, k[b, t])
+            dk[b, t] = np.einsum("hkv,hv->hk", ds2, delta)
+            dv[b, t] = d_delta * beta[b, t][:, None]
+            dbeta[b, t] = np.sum(d_delta * err, -1)
+            d_pred = -d_delta * beta[b, t][:, None]
+            ds1 = ds2 + k[b, t][:, :, None] * d_pred[:, None, :]
+            dk[b, t] += np.einsum("hkv,hv->hk", s1, d_pred)
+            dg[b, t] = np.sum(ds1 * s1, axis=(-2, -1))
+            ds = ds1 * e
+            if groups[b, t] != (groups[b, t - 1] if t else 0):
+                ds = np.zeros_like(ds)  # the state before a reset never reached this token
+        ds0[b] = ds
+    return dq, dk, dv, dg, dbeta, ds0
+
+
+def _cotangents(seed, q, v, s0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=q.shape[:3] + v.shape[-1:]).astype(np.float32), rng.normal(size=s0.shape).astype(
+        np.float32
+    )
+
+
+def _grads(fn, args, d_out, d_final, **kw):
+    def loss(*a):
+        o, s = fn(*a, **kw)
+        return jnp.sum(o * d_out) + jnp.sum(s * d_final)
+
+    return jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))(*args)
+
+
+NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_gradients_match_numpy_reference_with_packing_and_padding(chunk_size):
+    # T = 150 is not a multiple of either chunk size; groups 0 (reads the initial state), 1, 2 with
+    # boundaries inside and across chunks.
+    q, k, v, g, beta, s0 = make_inputs(4, B=2, T=150, H=2)
+    groups = np.zeros((2, 150), np.int32)
+    groups[0, 37:90], groups[0, 90:] = 1, 2
+    groups[1, 64:] = 1
+    d_out, d_final = _cotangents(5, q, v, s0)
+    got = _grads(
+        chunked_gated_delta_rule,
+        (q, k, v, g, beta, s0),
+        d_out,
+        d_final,
+        groups_BxT=groups,
+        chunk_size=chunk_size,
+    )
+    want = numpy_delta_rule_vjp(q, k, v, g, beta, s0, groups, d_out, d_final)
+    for name, a, b in zip(NAMES, got, want):
+        assert a.dtype == jnp.float32, name
+        np.testing.assert_allclose(a, b, atol=5e-5, rtol=2e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_gradients_match_autodiff_of_the_recurrent_form(chunk_size):
+    q, k, v, g, beta, s0 = make_inputs(6, B=1, T=100, H=2)
+    d_out, d_final = _cotangents(7, q, v, s0)
+    got = _grads(chunked_gated_delta_rule, (q, k, v, g, beta, s0), d_out, d_final, chunk_size=chunk_size)
+    want = _grads(recurrent_gated_delta_rule, (q, k, v, g, beta, s0), d_out, d_final)
+    for name, a, b in zip(NAMES, got, want):
+        np.testing.assert_allclose(a, b, atol=5e-5, rtol=2e-4, err_msg=name)
+    # Only the final state's cotangent (the prefill-into-cache path): still exact.
+    got = _grads(chunked_gated_delta_rule, (q, k, v, g, beta, s0), 0 * d_out, d_final, chunk_size=chunk_size)
+    want = numpy_delta_rule_vjp(q, k, v, g, beta, s0, None, 0 * d_out, d_final)
+    for name, a, b in zip(NAMES, got, want):
+        np.testing.assert_allclose(a, b, atol=5e-5, rtol=2e-4, err_msg=name)
+
+
+def test_pads_get_zero_gradients_and_leave_the_rest_unchanged():
+    q, k, v, g, beta, s0 = make_inputs(8, B=1, T=80)
+    n = 57
+    g2, beta2, k2 = g.copy(), beta.copy(), k.copy()
+    g2[:, n:], beta2[:, n:], k2[:, n:] = 0.0, 0.0, 0.0  # what deltanet.py gives padding tokens
+    d_out, d_final = _cotangents(9, q, v, s0)
+    d_out[:, n:] = 0.0  # pads' outputs are ignored by the loss
+    got = _grads(chunked_gated_delta_rule, (q, k2, v, g2, beta2, s0), d_out, d_final, chunk_size=16)
+    trim = _grads(
+        chunked_gated_delta_rule,
+        tuple(x[:, :n] for x in (q, k, v, g, beta)) + (s0,),
+        d_out[:, :n],
+        d_final,
+        chunk_size=16,
+    )
+    for name, a, b in zip(NAMES, got, trim):
+        np.testing.assert_allclose(
+            a[:, :n] if name != "initial_state" else a, b, atol=2e-5, rtol=1e-4, err_msg=name
+        )
+    for name, a in zip(("q", "v"), (got[0], got[2])):
+        np.testing.assert_array_equal(a[:, n:], 0.0, err_msg=name)
+
+
+def test_bfloat16_inputs_give_float32_outputs_and_bfloat16_gradients():
+    q, k, v, g, beta, s0 = make_inputs(10, B=1, T=96, H=2)
+    bf = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+    rounded = [np.asarray(x.astype(jnp.float32)) for x in bf]  # the reference sees the same inputs
+    o, s = chunked(*bf, g, beta, s0, chunk_size=16)
+    assert o.dtype == jnp.float32 and s.dtype == jnp.float32
+    ref_o, ref_s = numpy_delta_rule(*rounded, g, beta, s0)
+    np.testing.assert_allclose(o, ref_o, atol=2e-5, rtol=1e-4)  # the state and the math stay float32
+    np.testing.assert_allclose(s, ref_s, atol=2e-5, rtol=1e-4)
+    d_out, d_final = _cotangents(11, q, v, s0)
+    got = _grads(chunked_gated_delta_rule, (*bf, g, beta, s0), d_out, d_final, chunk_size=16)
+    want = numpy_delta_rule_vjp(*rounded, g, beta, s0, None, d_out, d_final)
+    for name, a, b in zip(NAMES, got, want):
+        assert a.dtype == (jnp.bfloat16 if name in "qkv" else jnp.float32), name
+        # bfloat16 gradients: one rounding of the float32 result (8 bits of mantissa).
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32), b, atol=1e-2 * np.abs(b).max(), rtol=1e-2, err_msg=name
+        )
+
+
+def test_saved_residuals_hold_inputs_and_one_state_per_chunk_only():
+    # C = 16 differs from dk = 8 and dv = 6, so any [.., C, C] residual is recognisable.
+    C, T = 16, 150
+    q, k, v, g, beta, s0 = make_inputs(12, B=1, T=T, H=2)
+    groups = np.zeros((1, T), np.int32)
+    groups[0, 70:] = 1
+    _, vjp_fn = jax.vjp(
+        lambda *a: chunked_gated_delta_rule(*a, groups_BxT=groups, chunk_size=C), q, k, v, g, beta, s0
+    )
+    residuals = jax.tree.leaves(vjp_fn)
+    assert not [r.shape for r in residuals if r.ndim >= 2 and r.shape[-2:] == (C, C)]
+    n_chunks = -(-T // C)
+    inputs = sum(x.size for x in (q, k, v, g, beta, s0, groups))
+    states = n_chunks * s0.size
+    assert sum(r.size for r in residuals) <= inputs + states
+    # The states are there (float32), and the inputs are kept as they came, not as float32 copies.
+    assert [r.dtype for r in residuals if r.size == states] == [jnp.float32]
+    bf = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+    _, vjp_fn = jax.vjp(lambda *a: chunked_gated_delta_rule(*a, chunk_size=C), *bf, g, beta, s0)
+    assert sorted(str(r.dtype) for r in jax.tree.leaves(vjp_fn) if r.ndim == 4) == ["bfloat16"] * 3
+
+
+def test_bad_shapes_are_rejected_with_the_name_of_the_input():
+    q, k, v, g, beta, s0 = make_inputs(13, B=1, T=20)
+    with pytest.raises(ValueError, match="beta"):
+        chunked_gated_delta_rule(q, k, v, g, beta[:, :10])
+    with pytest.raises(ValueError, match="initial_state"):
+        chunked_gated_delta_rule(q, k, v, g, beta, s0[:, :, :3])
+    with pytest.raises(ValueError, match="groups"):
+        chunked_gated_delta_rule(q, k, v, g, beta, None, np.zeros((1, 19), np.int32))
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunked_gated_delta_rule(q, k, v, g, beta, chunk_size=0)

@@ -150,21 +150,27 @@ def _chunk_prepare(q, k, v, g, beta, masks: ChunkMasks) -> ChunkPrep:
     # The inner where keeps exp() of the masked (positive) differences from overflowing.
     decay = jnp.where(masks.same, jnp.exp(jnp.where(masks.same, diff, 0.0)), 0.0)
     k_beta = k * beta[..., None]
-    strict = jnp.tril(jnp.ones((C, C), bool), -1)
-    a_strict = jnp.where(strict, _mm("...ck,...sk->...cs", k_beta, k) * decay, 0.0)
-    t_inv = _unit_lower_inverse(a_strict)
     read = jnp.exp(cum) * masks.reads
-    u = _mm("...cs,...sv->...cv", t_inv, v * beta[..., None])
-    w = _mm("...cs,...sk->...ck", t_inv, k_beta * read[..., None])
+    # One matmul for both score matrices (same right operand k): [k_beta; q] k^T.
+    scores = _mm("...ck,...sk->...cs", jnp.concatenate([k_beta, q], axis=-2), k) * jnp.concatenate(
+        [decay, decay], axis=-2
+    )
+    strict = jnp.tril(jnp.ones((C, C), bool), -1)
+    t_inv = _unit_lower_inverse(jnp.where(strict, scores[..., :C, :], 0.0))
+    # And one for both UT-transformed right-hand sides: T [v_beta | k_read].
+    dv = v.shape[-1]
+    uw = _mm(
+        "...cs,...sx->...cx", t_inv, jnp.concatenate([v * beta[..., None], k_beta * read[..., None]], -1)
+    )
     return ChunkPrep(
         cum=cum,
         decay=decay,
         t_inv=t_inv,
-        u=u,
-        w=w,
+        u=uw[..., :dv],
+        w=uw[..., dv:],
         q_read=q * read[..., None],
         k_write=k * (jnp.exp(cum[..., -1:] - cum) * masks.writes)[..., None],
-        intra=_mm("...ck,...sk->...cs", q, k) * decay,
+        intra=scores[..., C:, :],
         gamma=jnp.exp(cum[..., -1]) * masks.carried,
     )
 
@@ -176,9 +182,8 @@ def _chunk_forward_states(prep: ChunkPrep, s: jax.Array) -> tuple[jax.Array, jax
     return s_next, v_new
 
 
-def _chunk_outputs(prep: ChunkPrep, s: jax.Array) -> jax.Array:
-    """``o [..., C, dv]`` of a chunk from its incoming state ``s [..., dk, dv]``."""
-    v_new = prep.u - _mm("...ck,...kv->...cv", prep.w, s)
+def _chunk_outputs(prep: ChunkPrep, s: jax.Array, v_new: jax.Array) -> jax.Array:
+    """``o [..., C, dv]`` of a chunk from its incoming state ``s [..., dk, dv]`` and ``v_new [..., C, dv]``."""
     return _mm("...ck,...kv->...cv", prep.q_read, s) + _mm("...cs,...sv->...cv", prep.intra, v_new)
 
 
@@ -333,12 +338,13 @@ def _forward(q, k, v, g, beta, s0, groups, C: int, per_block: int, save_states: 
         s, out = carry
         x, masks = _block_inputs(seqs, dtypes, grp, prev_last, n0, m, C)
         prep = _chunk_prepare(*x, masks)
-        states = []
+        states, v_new = [], []
         for i in range(m):
             states.append(s)
-            s, _ = _chunk_forward_states(_slice_chunk(prep, i), s)
+            s, v_new_i = _chunk_forward_states(_slice_chunk(prep, i), s)
+            v_new.append(v_new_i)
         states = jnp.stack(states, axis=2)  # [B, H, m, K, V]: each chunk's incoming state
-        out = _store(out, _chunk_outputs(prep, states), f32, n0, C)
+        out = _store(out, _chunk_outputs(prep, states, jnp.stack(v_new, axis=2)), f32, n0, C)
         return (s, out), (states if save_states else None)
 
     out0 = jnp.zeros((B, N * C, H, V), f32)
