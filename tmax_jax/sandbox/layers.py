@@ -4,6 +4,10 @@ A layer is what a recipe's steps wrote into the writable paths, replayed once in
 kept under ``<cache_dir>/layers/<sha256>/`` (``fs/`` + ``meta.json`` with ENV and WORKDIR). The key
 hashes the rootfs id, the writable paths, every step and the bytes of every copied file, so editing
 a fixture rebuilds and nothing else does. Sandboxes copy the layer into their private state.
+
+A layer is built by one process at a time (``cache_publish``: a lock per key, a temporary dir
+renamed into place, a manifest whose digest is the layer's content id) and checked against its
+manifest on each use: a damaged layer is rebuilt, never copied into a sandbox.
 """
 
 from __future__ import annotations
@@ -16,10 +20,10 @@ import posixpath
 import shlex
 import shutil
 import subprocess
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+from tmax_jax.cache_publish import check_tree, publish_tree
 from tmax_jax.errors import SandboxError, TaskFormatError
 from tmax_jax.sandbox import rootfs as rootfs_mod
 from tmax_jax.sandbox.bwrap import BwrapImage, BwrapSandbox
@@ -97,10 +101,18 @@ def build_layer(cfg: SandboxConfig, recipe: Recipe, timeout_s: float = 600.0, lo
     rfs = rootfs_mod.resolve(rootfs_spec, cfg.writable_paths)
     key = layer_key(cfg, recipe, rfs.ident)
     final = Path(cfg.cache_dir) / "layers" / key
-    meta_file = final / "meta.json"
-    if meta_file.is_file():
-        meta = json.loads(meta_file.read_text())
-        return BwrapImage(rootfs=rootfs_spec, layer=final, env=meta["env"], workdir=meta["workdir"])
+    publish_tree(final, lambda tmp: _replay(cfg, recipe, rootfs_spec, tmp, timeout_s, log))
+    meta = json.loads((final / "meta.json").read_text())
+    return BwrapImage(rootfs=rootfs_spec, layer=final, env=meta["env"], workdir=meta["workdir"])
+
+
+def layer_problem(layer: str | Path) -> str | None:
+    """None when the layer dir is complete against its manifest, else what is wrong (cheap)."""
+    return check_tree(layer)[1]
+
+
+def _replay(cfg: SandboxConfig, recipe: Recipe, rootfs_spec: str, out: Path, timeout_s: float, log) -> None:
+    """Run ``recipe``'s steps in a build sandbox and save what they wrote into ``out`` (empty)."""
     build_cfg = dataclasses.replace(cfg, rootfs=rootfs_spec, episode_timeout_s=max(timeout_s, 1.0))
     env: dict[str, str] = {}
     workdir = "/"
@@ -150,25 +162,17 @@ def build_layer(cfg: SandboxConfig, recipe: Recipe, timeout_s: float = 600.0, lo
                     )
             else:
                 raise TaskFormatError(f"unknown build step kind {st.kind!r}")
-        tmp = final.with_name(f".{key}.{uuid.uuid4().hex[:8]}")
-        (tmp / "fs").mkdir(parents=True)
-        r = subprocess.run(["cp", "-a", f"{sb.state}/.", f"{tmp}/fs/"], capture_output=True, text=True)
+        (out / "fs").mkdir()
+        r = subprocess.run(["cp", "-a", f"{sb.state}/.", f"{out}/fs/"], capture_output=True, text=True)
         if r.returncode != 0:
-            shutil.rmtree(tmp, ignore_errors=True)
             raise SandboxError(f"saving layer failed: {r.stderr[-500:]}")
     # /logs and /tests belong to the episode, never to the environment; .tmax holds the sandbox's
     # scratch (/tmp, /run, /dev/shm), which a layer never kept.
     for p in ("logs", "tests", "solution", ".tmax"):
-        shutil.rmtree(tmp / "fs" / p, ignore_errors=True)
-    (tmp / "meta.json").write_text(
+        shutil.rmtree(out / "fs" / p, ignore_errors=True)
+    (out / "meta.json").write_text(
         json.dumps({"env": env, "workdir": workdir, "base": recipe.base, "rootfs": rootfs_spec})
     )
-    try:
-        tmp.rename(final)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)  # another process built the same layer first
-    meta = json.loads(meta_file.read_text())
-    return BwrapImage(rootfs=rootfs_spec, layer=final, env=meta["env"], workdir=meta["workdir"])
 
 
 def _check(res, where: str) -> None:
