@@ -231,6 +231,9 @@ class PodmanSandbox(Sandbox):
             "--network", "slirp4netns" if cfg.network else "none",
             "--hostname", "tmax-sandbox",
             "--init",  # catatonit as pid 1 reaps what a kill orphans
+            # podman would create a missing image WORKDIR as host root (nobody inside, unwritable
+            # under the uid map); the mkdir below makes it as the container's root instead.
+            "--workdir", "/",
         ]  # fmt: skip
         if cfg.podman_read_only:
             # podman's own read-only tmpfs have no size: mount sized ones instead.
@@ -248,8 +251,10 @@ class PodmanSandbox(Sandbox):
         r = subprocess.run(args, capture_output=True, text=True, timeout=300)
         if r.returncode != 0:
             raise SandboxError(f"podman run failed: {r.stderr.strip()[-800:]}")
+        # /tmp is sticky and world-writable as in Docker images (the host-built base has it 0755).
+        setup = 'mkdir -p "$1" && if [ "$(stat -c %a /tmp)" = 755 ]; then chmod 1777 /tmp; fi'
         r = subprocess.run(
-            ["podman", "exec", self.name, "mkdir", "-p", self.workdir],
+            ["podman", "exec", self.name, "/bin/sh", "-c", setup, "sh", self.workdir],
             capture_output=True,
             text=True,
             timeout=120,
