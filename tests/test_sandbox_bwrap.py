@@ -322,3 +322,22 @@ def test_config_errors():
         SandboxConfig(writable_paths=("/usr",))
     with pytest.raises(SandboxError, match="rootfs"):
         make_sandbox(SandboxConfig(rootfs="no-such-image:1"))
+
+
+def test_runner_file_transfers_ignore_tools_the_agent_planted(cfg):
+    """A fake ``tar`` first on the image's PATH (a writable dir) must not feed the runner's transfers."""
+    from tmax_jax.sandbox.base import BASE_PATH
+    from tmax_jax.sandbox.bwrap import BwrapImage
+
+    image = BwrapImage(env={"PATH": "/app/bin:" + BASE_PATH})
+    with make_sandbox(cfg, image=image) as sb:
+        sb.exec(
+            "mkdir -p /app/bin; printf '#!/bin/sh\\necho not-a-tar\\n' > /app/bin/tar; chmod +x /app/bin/tar"
+        )
+        assert sb.exec("tar --version").stdout.strip() == "not-a-tar"  # the agent's own PATH sees it
+        sb.write_file("/app/data.txt", "payload\n")
+        assert sb.read_file("/app/data.txt") == b"payload\n"
+        sb.exec("rm /app/bin/tar; printf '#!/bin/sh\\nexit 0\\n' > /tmp/x; ln -s /tmp/x /app/bin/tar")
+        with pytest.raises(SandboxError):  # the agent broke the file itself: an error, never a crash
+            sb.exec("rm /app/data.txt; mkfifo /app/data.txt")
+            sb.read_file("/app/data.txt", timeout=5)
