@@ -137,8 +137,7 @@ def part_check(args):
 def chunk_flops(C, K, V):
     """Matmul FLOPs per chunk of this implementation's algorithm (value dim unsplit), forward and
     backward (the backward recomputes the forward's chunk internals)."""
-    rounds = max(int(np.ceil(np.log2(C))) - 1, 0)
-    inverse = rounds * 2 * 2 * C**3
+    inverse = int(np.log2(C)) * 2 * 2 * C**3  # divide and conquer: log2(C) rounds of two matmuls
     fwd = 2 * C * C * (3 * K + 2 * V) + 3 * 2 * C * K * V + inverse
     bwd = inverse + 2 * C**3 * 2 + 9 * 2 * C * C * K + 5 * 2 * C * C * V + 7 * 2 * C * K * V
     return fwd, bwd

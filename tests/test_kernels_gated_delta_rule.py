@@ -145,6 +145,32 @@ def test_whole_chunks_no_initial_state_no_groups_bfloat16_inputs():
         np.testing.assert_allclose(np.asarray(x, np.float32), ref, atol=tol * scale, rtol=tol, err_msg=name)
 
 
+def test_keys_sharing_a_direction_stay_accurate_at_chunk_64():
+    """Keys close to one direction, beta ~ 1, slow decay: ``T = (I + A)^-1`` stays O(1) but a Neumann
+    product for it loses everything at C = 64 (1e9 relative error here); the kernel's divide-and-conquer
+    inverse must stay at float32 accuracy, values and gradients."""
+    rng = np.random.default_rng(8)
+    B, T, H, K, V = 1, 128, 2, 32, 32
+    k = rng.normal(size=(1, 1, H, K)) + 0.1 * rng.normal(size=(B, T, H, K))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    q, _, v, _, _, s0, do, ds = make_inputs(8, B, T, H, K, V)
+    g, beta = np.full((B, T, H), -0.01, np.float32), np.full((B, T, H), 0.99, np.float32)
+    k = k.astype(np.float32)
+    got = vjp(
+        jax.jit(lambda *a: pallas_chunked_gated_delta_rule(*a, chunk_size=64, interpret=True)),
+        q,
+        k,
+        v,
+        g,
+        beta,
+        s0,
+        do,
+        ds,
+    )
+    want = numpy_forward_backward(q, k, v, g, beta, s0, np.zeros((B, T), np.int32), do, ds)
+    assert_close(got, want, 5e-6, 5e-5, "correlated keys")
+
+
 def test_bad_inputs_name_what_is_wrong():
     q, k, v, g, beta, s0, _, _ = (jnp.asarray(x) for x in make_inputs(2, B=1, T=8))
     with pytest.raises(ValueError, match="chunk_size=24"):
