@@ -110,3 +110,31 @@ def test_podman_example_tasks(cfg, task):
     assert (good.reward, good.passed) == (1.0, True), good.reason + good.verifier_log
     bad = run_task(t, None, cfg)
     assert bad.reward == 0.0 and bad.reason == "verifier failed"
+
+
+def _profile_in_child(cache: str) -> str:
+    from tmax_jax.sandbox.podman import seccomp_profile
+
+    return str(seccomp_profile(cache))
+
+
+def test_seccomp_profile_built_once_by_concurrent_starters(tmp_path):
+    import json
+    import multiprocessing
+
+    from tmax_jax.sandbox.podman import SECCOMP_DENY
+
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        paths = pool.map(_profile_in_child, [str(tmp_path)] * 8)
+    assert len(set(paths)) == 1
+    prof = json.loads(Path(paths[0]).read_text())
+    allowed = {
+        n
+        for r in prof["syscalls"]
+        if r["action"] == "SCMP_ACT_ALLOW" and not r.get("args")
+        for n in r["names"]
+    }
+    assert not allowed & (set(SECCOMP_DENY) | {"clone", "clone3"})
+    assert {"mount", "ptrace", "keyctl", "io_uring_setup", "unshare", "setns"} <= set(SECCOMP_DENY)
+    # Only the finished profile and the lock are left: no half-written temporary file.
+    assert sorted(p.name for p in (tmp_path / "podman").iterdir()) == [".seccomp.lock", Path(paths[0]).name]

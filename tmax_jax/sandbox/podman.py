@@ -20,8 +20,13 @@ overlay's merged dir, so the agent's files are seen as they are). ``/tests`` (a 
 task's tests, writable like Harbor's) and ``/logs/verifier`` (an empty host dir) are bind mounts of
 that container only; the reward files are read from the host dir. Agent processes keep running and
 may still rewrite their own files while the tests run, as under Docker, but cannot see or signal
-the verifier's processes nor reach its ``/tests`` and ``/logs/verifier``. The verifier starts with
-``VERIFIER_ENV`` (fixed PATH, ``HOME=/tests``, isolated Python start-up) in ``/tests``.
+the verifier's processes nor reach its ``/tests`` and ``/logs/verifier``: in the agent's namespace
+both paths are empty read-only mounts, so the agent cannot rename them away (which would detach the
+verifier's mounts) or put a symlink there. The verifier starts with ``VERIFIER_ENV`` (fixed PATH,
+``HOME=/tests``, isolated Python start-up) in ``/tests``. What stays possible: agent code that the
+tests themselves import runs inside the verifier (as under Harbor); the verifier shares the agent's
+``/tmp`` (the root filesystem's) but not its ``/dev/shm``. ``podman_read_only`` sandboxes keep the
+agent's writes in tmpfs of its own mount namespace, so they cannot be verified (a clear error).
 
 Toolchain tampering is detected, not prevented (the agent's root filesystem is writable, as under
 Docker, and the verifier must see what the agent installed): ``podman_toolchain`` scans the
@@ -127,15 +132,22 @@ def _tighten(base: dict) -> dict:
     return {**base, "syscalls": rules}
 
 
+_PROFILES: dict[str, Path] = {}
+
+
 def seccomp_profile(cache_dir: str | os.PathLike) -> Path:
     """Our seccomp profile (podman's default, tightened), written once per content under
     ``<cache_dir>/podman/`` (a lock and an atomic rename: concurrent starters never read half a file)."""
+    done = _PROFILES.get(str(cache_dir))
+    if done is not None and done.is_file():
+        return done
     if not PODMAN_SECCOMP.is_file():
         raise SandboxError(f"podman's default seccomp profile {PODMAN_SECCOMP} is missing; cannot build ours")
     data = json.dumps(_tighten(json.loads(PODMAN_SECCOMP.read_text())), indent=1, sort_keys=True).encode()
     out_dir = Path(cache_dir) / "podman"
     out = out_dir / f"seccomp-{hashlib.sha256(data).hexdigest()[:16]}.json"
     if out.is_file() and out.read_bytes() == data:
+        _PROFILES[str(cache_dir)] = out
         return out
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / ".seccomp.lock", "w") as lock:
@@ -146,6 +158,7 @@ def seccomp_profile(cache_dir: str | os.PathLike) -> Path:
                 f.write(data)
             os.chmod(tmp, 0o644)
             os.replace(tmp, out)
+    _PROFILES[str(cache_dir)] = out
     return out
 
 
@@ -260,7 +273,8 @@ class PodmanSandbox(Sandbox):
             timeout=120,
         )
         if r.returncode != 0:
-            raise SandboxError(f"podman sandbox setup failed: {r.stderr.strip()[-500:]}")
+            hint = " (podman_read_only: the image must have the workdir)" if cfg.podman_read_only else ""
+            raise SandboxError(f"podman sandbox setup failed{hint}: {r.stderr.strip()[-500:]}")
 
     def environment(self, env=None) -> dict[str, str]:
         # The image's own ENV (PATH, ...) stays; only add what the caller and config ask for.
@@ -335,6 +349,11 @@ class PodmanSandbox(Sandbox):
             raise SandboxError(f"run_verifier: tests dir {tests_dir} is not a directory")
         if not argv:
             raise SandboxError("run_verifier: empty command")
+        if self.cfg.podman_read_only:
+            # The agent's only writable dirs are then tmpfs of its own mount namespace.
+            raise SandboxError(
+                "run_verifier: podman_read_only sandboxes keep the agent's files where no verifier sees them"
+            )
         limit = self.clamp_timeout(timeout)
         merged, upper, lowers = self.layers()
         self._verifies += 1

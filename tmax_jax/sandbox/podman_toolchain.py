@@ -30,6 +30,8 @@ import struct
 import threading
 from pathlib import Path
 
+from tmax_jax.errors import SandboxError
+
 PATH_DIRS = ("usr/local/sbin", "usr/local/bin", "usr/sbin", "usr/bin", "sbin", "bin")
 # Dirs on the way to the toolchain: replacing or renaming one swaps everything below it.
 SPINE = (
@@ -334,8 +336,10 @@ class Watch:
     def start(self) -> Watch:
         self._fd = _lib().inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
         if self._fd < 0:
-            self._flag(f"inotify is unavailable: {os.strerror(ctypes.get_errno())}")
-            return self
+            # A host limit (inotify instances), not the agent's doing.
+            raise SandboxError(
+                f"cannot watch the verifier's toolchain: inotify: {os.strerror(ctypes.get_errno())}"
+            )
         self._add("", appeared=False)
         self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._loop, name="tmax-toolchain-watch", daemon=True)
