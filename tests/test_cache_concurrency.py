@@ -287,3 +287,35 @@ def test_podman_base_image_two_processes_at_once_and_damage_reimported(tmp_path)
             subprocess.run(["podman", "rmi", "-f", line.split()[0]], capture_output=True, timeout=120)
         for image in ids:
             subprocess.run(["podman", "rmi", "-f", image], capture_output=True, timeout=120)
+
+
+FILE_CHILD = """
+from tmax_jax.cache_publish import publish_file
+built = []
+def build(tmp):
+    built.append(1)
+    time.sleep(0.3)  # a slow builder, so the other process arrives while this one holds the lock
+    tmp.write_bytes(bytes(range(256)) * 64)
+publish_file(Path(sys.argv[3]), build)
+print(json.dumps({"built": bool(built)}))
+"""
+
+
+def test_single_file_entry_built_once_and_truncation_rebuilt(tmp_path):
+    """The mechanism of the apptainer .sif cache (apptainer itself is not installable here)."""
+    from tmax_jax.cache_publish import publish_file
+
+    final = tmp_path / "sif" / "base.sif"
+    want = bytes(range(256)) * 64
+    a, b = _together(tmp_path, FILE_CHILD, [str(final)])
+    assert sorted([a["built"], b["built"]]) == [False, True]
+    assert final.read_bytes() == want
+    assert sorted(p.name for p in final.parent.iterdir()) == [
+        ".base.sif.lock",
+        "base.sif",
+        "base.sif.manifest.json",
+    ]
+    final.write_bytes(want[:1000])
+    calls = []
+    publish_file(final, lambda tmp: (calls.append(1), tmp.write_bytes(want)))
+    assert calls and final.read_bytes() == want

@@ -15,6 +15,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from tmax_jax.cache_publish import publish_file
 from tmax_jax.errors import SandboxError
 from tmax_jax.sandbox import rootfs as rootfs_mod
 from tmax_jax.sandbox.base import Sandbox
@@ -40,10 +41,8 @@ def ensure_base_sif(cfg: SandboxConfig) -> Path:
 
     rootfs_dir, ident = cached_host_rootfs(cfg.cache_dir)
     sif = Path(cfg.cache_dir) / "sif" / f"tmax-base-{ident}.sif"
-    if not sif.is_file():
-        sif.parent.mkdir(parents=True, exist_ok=True)
-        _build(cfg, [str(sif), str(rootfs_dir)], 1800)
-    return sif
+    # Built once across processes, into a temporary file renamed into place (cache_publish).
+    return publish_file(sif, lambda tmp: _build(cfg, [str(tmp), str(rootfs_dir)], 1800))
 
 
 def _build(cfg: SandboxConfig, args: list[str], timeout: float) -> None:
@@ -96,11 +95,13 @@ def build_sif(cfg: SandboxConfig, recipe: Recipe, timeout_s: float = 600.0) -> A
             for p in _sources(recipe, st):
                 h.update(tree_hash(p).encode())
     sif = Path(cfg.cache_dir) / "sif" / f"task-{h.hexdigest()[:24]}.sif"
-    if not sif.is_file():
-        sif.parent.mkdir(parents=True, exist_ok=True)
-        deff = sif.with_suffix(".def")
-        deff.write_text(text)
-        _build(cfg, [str(sif), str(deff)], timeout_s)
+    deff = sif.with_suffix(".def")
+
+    def build(tmp: Path) -> None:
+        deff.write_text(text)  # under the sif's lock: no other writer
+        _build(cfg, [str(tmp), str(deff)], timeout_s)
+
+    publish_file(sif, build)
     return ApptainerImage(sif, workdir)
 
 
