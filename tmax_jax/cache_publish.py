@@ -277,6 +277,8 @@ def publish_file(final: str | Path, build: Callable[[Path], None]) -> Path:
         if ok():
             return final
         side.unlink(missing_ok=True)  # the sidecar goes first: a file without one never counts
+        for stale in final.parent.glob(f".{final.name}.tmp-*"):  # from a builder that was killed
+            shutil.rmtree(stale, ignore_errors=True)
         tmp_dir = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
         try:
             tmp = tmp_dir / final.name
