@@ -176,10 +176,37 @@ def test_rm_rf_root_leaves_host_unchanged(cfg, tmp_path):
     sentinel.write_text("keep")
     before = sorted(os.listdir("/usr/bin"))[:50]
     with make_sandbox(cfg) as s:
-        r = s.exec("rm -rf --no-preserve-root / 2>/dev/null; ls /usr/bin | head -3", timeout=60)
-        assert r.stdout.strip(), "rootfs must survive inside too (read-only)"
+        s.exec("echo 42 > /app/answer.txt")
+        # The root is the agent's to wreck, as in a container; the base under it is read-only.
+        s.exec("/usr/bin/rm -rf --no-preserve-root / 2>/dev/null", timeout=60)
+        # (the agent's own /lib64 link is gone with the rest: its commands no longer start, as in a
+        # container whose root was wiped)
+        assert not s.exec(["/usr/bin/test", "-e", "/app/answer.txt"], cwd="/").ok
+        # A verifier runs the base's own shell and tools whatever the agent removed from its root.
+        tests = tmp_path / "tests"
+        tests.mkdir()
+        (tests / "test.sh").write_text(
+            "ls /usr/bin | head -1 > /logs/verifier/out; echo 0 > /logs/verifier/reward.txt\n"
+        )
+        run = s.run_verifier(tests, ["/bin/bash", "/tests/test.sh"], timeout=30)
+        assert run.result.ok and run.logs["reward.txt"] == b"0\n" and run.logs["out"].strip(), (
+            run.result.output
+        )
     assert sentinel.read_text() == "keep"
     assert sorted(os.listdir("/usr/bin"))[:50] == before
+
+
+def test_root_is_writable_like_a_container(cfg):
+    """Dockerfile-style writes outside the base: new top-level dirs, /var/log, /root/.ssh, /etc stays the host's."""
+    with make_sandbox(cfg) as s:
+        r = s.exec(
+            "mkdir -p /config /var/log/app /root/.ssh /evidence && echo hi > /config/x && chmod 444 /config/x"
+        )
+        assert r.ok, r.output
+        assert s.exec("echo again > /config/x && cat /config/x").stdout == "again\n"  # root over a 0444 file
+        assert s.exec("cat /config/x; ls -d /var/log/app /root/.ssh /evidence").ok
+        r = s.exec("touch /etc/tmax-x /usr/tmax-x")
+        assert r.stderr.count("Read-only file system") == 2, r.stderr
 
 
 @pytest.mark.skipif(not cgroup_mod.available(), reason="no writable cgroup hierarchy (pids/memory/cpu) here")

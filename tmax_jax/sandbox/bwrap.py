@@ -47,9 +47,10 @@ CAPS = (
     "CAP_SETUID", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_NET_RAW", "CAP_SYS_CHROOT",
     "CAP_MKNOD", "CAP_AUDIT_WRITE", "CAP_SETFCAP",
 )  # fmt: skip
-# Paths every sandbox gets from its state besides the configured writable ones (sticky, world-writable).
-SCRATCH = ("/tmp", "/run", "/dev/shm")
-STATE_INTERNAL = ".tmax"  # state/.tmax/<scratch path>: not part of any layer
+# Created in every sandbox's state, sticky and world-writable, as in a container.
+SCRATCH = ("/tmp", "/run", "/var/tmp")
+# Top-level names a verifier never takes from the agent's state (its own mounts, or the kernel's).
+_VERIFIER_OWN = frozenset({"proc", "dev", "sys", "tests", "logs"})
 # As host root, each sandbox's host-side mounts (its state tmpfs, and read-only binds of bind sources
 # that root of the user namespace could not reach, such as a Python under /root) live under here,
 # in a directory only host root and the sandbox's root may enter.
@@ -93,7 +94,10 @@ class BwrapSandbox(Sandbox):
         )
         self.is_root = os.geteuid() == 0
         self.stage = STAGE_ROOT / self.id if self.is_root else self.run_dir
-        self.state = self.stage / "state"
+        # One size-limited disk per sandbox: the agent's root directory and /dev/shm's backing dir.
+        self.disk = self.stage / "disk"
+        self.state = self.disk / "root"
+        self._shm = self.disk / "shm"
         self._staged: list[Path] = []
         self._base_args: tuple[str, ...] = ()
         self._late_args: tuple[str, ...] = ()
@@ -143,20 +147,20 @@ class BwrapSandbox(Sandbox):
             self.stage.mkdir(mode=0o700)
             os.chown(self.stage, SUBID_BASE, SUBID_BASE)
             self._write_owner()
-        self.state.mkdir()
+        self.disk.mkdir()
         if self.is_root:
             # A size-limited tmpfs makes the disk limit hold for every writable path at once,
             # /tmp, /run and /dev/shm included; its root belongs to the sandbox's root.
-            opts = f"size={cfg.disk_mb}m,mode=0700,uid={SUBID_BASE},gid={SUBID_BASE}"
+            opts = f"size={cfg.disk_mb}m,mode=0755,uid={SUBID_BASE},gid={SUBID_BASE}"
             r = subprocess.run(
-                ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(self.state)], capture_output=True, text=True
+                ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(self.disk)], capture_output=True, text=True
             )
             if r.returncode != 0:
                 raise SandboxError(f"could not mount the state tmpfs: {r.stderr.strip()}")
+        self.state.mkdir()
         for w in cfg.writable_paths:
             (self.state / w.lstrip("/")).mkdir(parents=True, exist_ok=True)
-        for s in SCRATCH:
-            d = self._scratch_dir(s)
+        for d in [*(self.state / p.lstrip("/") for p in SCRATCH), self._shm]:
             d.mkdir(parents=True, exist_ok=True)
             d.chmod(0o1777)
         if self.image.layer is not None:
@@ -169,9 +173,15 @@ class BwrapSandbox(Sandbox):
                 )
                 if r.returncode != 0:
                     raise SandboxError(f"copying layer {self.image.layer} failed: {r.stderr.strip()[-500:]}")
-        self._give_to_sandbox(self.state)
         self._base_args = self._reachable(self.rootfs.args)
         self._late_args = self._reachable(self.rootfs.late_args)
+        # The state is the agent's root directory: the base's top-level symlinks (/bin -> usr/bin)
+        # live in it, made once here (bwrap refuses to remake a symlink that exists).
+        for target, dest in _symlinks(self._base_args):
+            link = self.state / dest.lstrip("/")
+            if not os.path.lexists(link):
+                os.symlink(target, link)
+        self._give_to_sandbox(self.disk)
         seccomp.write_program(self._bpf)
         self._start_holder()
 
@@ -193,9 +203,6 @@ class BwrapSandbox(Sandbox):
                         self._staged.append(dst)
                 out[i + 1], out[i] = str(dst), "--ro-bind"
         return tuple(out)
-
-    def _scratch_dir(self, path: str) -> Path:
-        return self.state / STATE_INTERNAL / path.lstrip("/")
 
     def _start_holder(self) -> None:
         cfg = self.cfg
@@ -319,17 +326,51 @@ class BwrapSandbox(Sandbox):
         ns += ["-S", "0", "-G", "0"] if self.is_root else ["--preserve-credentials"]
         return ns + ["--"]
 
-    def _mount_tree(self, extra: dict[str, Path] | None = None) -> list[str]:
-        """bwrap mount args: the base read-only, the state's writable paths, then ``extra`` binds."""
-        binds = {w: self.state / w.lstrip("/") for w in self.cfg.writable_paths}
-        binds.update({s: self._scratch_dir(s) for s in SCRATCH})
-        binds.update(extra or {})
-        args = [*self._base_args, "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--dev", "/dev"]
-        for dest in sorted(binds, key=lambda p: p.count("/")):
-            args += ["--bind", str(binds[dest]), dest]
-        args += list(self._late_args)
-        # bwrap's own root is a tmpfs holding the symlinks and mount points: make it read-only too.
-        return args + ["--remount-ro", "/"]
+    def _mount_tree(self) -> list[str]:
+        """An agent command's mounts: the state as a writable root (any path outside the base can be
+        created, as under Docker, within the disk limit), the base read-only over it, /proc with a
+        read-only /proc/sys, a fresh /dev with /dev/shm from the state."""
+        base = _without_symlinks(self._base_args)
+        return ["--bind", str(self.state), "/", *base, *self._kernel_mounts(), *self._late_args]
+
+    def _kernel_mounts(self) -> list[str]:
+        return [
+            "--proc",
+            "/proc",
+            "--ro-bind",
+            "/proc/sys",
+            "/proc/sys",
+            "--dev",
+            "/dev",
+            "--bind",
+            str(self._shm),
+            "/dev/shm",
+        ]
+
+    def _verifier_tree(self, tests: Path, logs: Path) -> list[str]:
+        """A verifier's mounts: a read-only root of bwrap's own, the base bound afresh (whatever the
+        agent did to the base's names in its root, the verifier runs the real ones), each other
+        top-level entry of the agent's state as it is now, and ``/tests``, ``/logs`` of its own."""
+        base_names = {d.lstrip("/").split("/")[0] for _, d in _dests(self._base_args)}
+        args = list(self._base_args)
+        try:
+            entries = sorted(os.listdir(self.state))
+        except OSError as e:
+            raise SandboxError(f"sandbox {self.id}: cannot list its state: {e}") from e
+        for name in entries:
+            if name in base_names or name in _VERIFIER_OWN:
+                continue
+            path = self.state / name
+            try:
+                if path.is_symlink():
+                    args += ["--symlink", os.readlink(path), f"/{name}"]
+                elif path.is_dir():
+                    args += ["--bind", str(path), f"/{name}"]
+            except OSError:
+                continue  # gone while we looked: the agent is still running
+        args += [*self._kernel_mounts(), "--bind", str(tests), "/tests", "--bind", str(logs), "/logs"]
+        # bwrap's own root holds only mount points and symlinks: read-only.
+        return args + [*self._late_args, "--remount-ro", "/"]
 
     def _command(self, env: dict[str, str], cwd: str, argv: list[str]) -> list[str]:
         """bwrap args shared by commands and verifiers: capabilities, seccomp, clean env, cwd."""
@@ -381,7 +422,7 @@ class BwrapSandbox(Sandbox):
                 self._host_prefix(cg)
                 + self._enter(("user", "net"))
                 + ["bwrap", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
-                + self._mount_tree({"/tests": tests, "/logs": logs})
+                + self._verifier_tree(tests, logs)
                 + self._command(self.verifier_environment(env), "/tests", list(argv))
             )
             got = run_capped(
@@ -459,6 +500,33 @@ class BwrapSandbox(Sandbox):
 
     def memory_peak_bytes(self) -> int | None:
         return self.cg.memory_peak_bytes() if self.cg else None
+
+
+def _dests(args) -> list[tuple[str, str]]:
+    """(source or target, destination) of each mount or symlink op in bwrap ``args``."""
+    out, i = [], 0
+    while i < len(args):
+        if args[i] in ("--ro-bind", "--bind", "--symlink", "--ro-bind-try", "--bind-try"):
+            out.append((args[i + 1], args[i + 2]))
+            i += 3
+        else:
+            i += 1
+    return out
+
+
+def _symlinks(args) -> list[tuple[str, str]]:
+    return [(args[i + 1], args[i + 2]) for i in range(len(args) - 2) if args[i] == "--symlink"]
+
+
+def _without_symlinks(args) -> list[str]:
+    out, i = [], 0
+    while i < len(args):
+        if args[i] == "--symlink":
+            i += 3
+            continue
+        out.append(args[i])
+        i += 1
+    return out
 
 
 def _make_stage_root() -> None:
