@@ -50,8 +50,9 @@ def test_parse_dockerfile_subset(tmp_path):
     assert ("workdir", ("/app",)) in kinds
     assert ("copy", ("a.txt", "b.txt", "/app/")) in kinds
     runs = [s.args[0] for s in r.steps if s.kind == "run"]
-    assert runs[0].split() == ["echo", "$A", "&&", "echo", "v${VER}"]
-    assert runs[1] == "bash -c 'echo exec form'"
+    assert runs[0] == "chown -R root:root /app/a.txt /app/b.txt"  # --chown is honoured after the copy
+    assert runs[1].split() == ["echo", "$A", "&&", "echo", "v${VER}"]
+    assert runs[2] == "bash -c 'echo exec form'"
     assert len(r.ignored) == 2
 
 
@@ -59,9 +60,10 @@ def test_parse_dockerfile_subset(tmp_path):
     "line, match",
     [
         ("VOLUME /data", "VOLUME is not supported by the bwrap backend"),
-        ('SHELL ["/bin/zsh"]', "SHELL is not supported"),
+        ("SHELL /bin/zsh", "SHELL needs the JSON form"),
         ("FROM ubuntu:22.04", "multi-stage"),
-        ("USER nobody", "USER nobody"),
+        ("USER", "USER needs one user"),
+        ("RUN --mount=type=secret,id=k cat /run/secrets/k", "RUN flag --mount=type=secret"),
         ("ADD https://example.com/x.tgz /app/", "URL"),
         ("COPY --from=builder /x /y", "--from"),
         ("FROBNICATE now", "unknown Dockerfile instruction 'FROBNICATE'"),
@@ -118,7 +120,9 @@ def test_layer_errors_name_the_problem(tmp_path):
     with pytest.raises(SandboxError, match="RUN touch /usr/bin/x.*read-only"):
         build_layer(cfg, parse_dockerfile(bad_run))
     outside = _df(tmp_path, "FROM ubuntu:24.04\nWORKDIR /usr/src/app\n")
-    with pytest.raises(TaskFormatError, match="WORKDIR /usr/src/app is outside the writable paths"):
+    with pytest.raises(
+        TaskFormatError, match="WORKDIR /usr/src/app is inside the bwrap backend's read-only base"
+    ):
         build_layer(cfg, parse_dockerfile(outside))
     missing = _df(tmp_path, "FROM ubuntu:24.04\nCOPY nothere.txt /app/\n")
     with pytest.raises(TaskFormatError, match="nothere.txt"):

@@ -14,8 +14,8 @@ from tmax_jax.errors import ConfigError
 
 Backend = Literal["bwrap", "podman", "apptainer"]
 
-# Paths that are writable inside a bwrap sandbox (bind-mounted from the sandbox's own state dir).
-# Everything else comes from the read-only rootfs. Dockerfile WORKDIR/COPY targets must live here.
+# Directories every bwrap sandbox starts with (empty unless a layer fills them). The sandbox's root is
+# writable everywhere outside its read-only base (/usr, /etc, ...), as a container's is.
 DEFAULT_WRITABLE = (
     "/app",
     "/root",

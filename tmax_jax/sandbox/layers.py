@@ -20,7 +20,6 @@ import posixpath
 import shlex
 import shutil
 import subprocess
-from collections.abc import Sequence
 from pathlib import Path
 
 from tmax_jax.cache_publish import check_tree, publish_tree
@@ -47,12 +46,6 @@ def tree_hash(path: Path) -> str:
             h.update(rel.encode() + b"\0" + oct(p.stat().st_mode & 0o777).encode() + b"\0")
             h.update(p.read_bytes() if not p.is_symlink() else os.readlink(p).encode())
     return h.hexdigest()
-
-
-def _under_writable(path: str, writable: Sequence[str]) -> bool:
-    return any(path == w or path.startswith(w.rstrip("/") + "/") for w in writable) or path.startswith(
-        "/tmp/"
-    )
 
 
 def _sources(recipe: Recipe, step: Step) -> list[Path]:
@@ -117,6 +110,7 @@ def _replay(cfg: SandboxConfig, recipe: Recipe, rootfs_spec: str, out: Path, tim
     env: dict[str, str] = {}
     workdir = "/"
     with BwrapSandbox(build_cfg, BwrapImage(rootfs=rootfs_spec)) as sb:
+        rfs = sb.rootfs
         sb.start()
         for st in recipe.steps:
             where = st.source or st.kind
@@ -125,17 +119,17 @@ def _replay(cfg: SandboxConfig, recipe: Recipe, rootfs_spec: str, out: Path, tim
                 sb.image_env[st.args[0]] = st.args[1]
             elif st.kind == "workdir":
                 workdir = posixpath.normpath(posixpath.join(workdir, st.args[0]))
-                if not _under_writable(workdir, cfg.writable_paths):
+                if not rfs.writable(workdir):
                     raise TaskFormatError(
-                        f"{where}: WORKDIR {workdir} is outside the writable paths of the bwrap backend ({', '.join(cfg.writable_paths)})"
+                        f"{where}: WORKDIR {workdir} is inside the bwrap backend's read-only base ({', '.join(rfs.read_only)})"
                     )
                 _check(sb.exec(f"mkdir -p {shlex.quote(workdir)}", cwd="/"), where)
             elif st.kind in ("copy", "copy_host"):
                 dest = st.args[-1]
                 dest_abs = posixpath.normpath(posixpath.join(workdir, dest))
-                if not _under_writable(dest_abs, cfg.writable_paths):
+                if not rfs.writable(dest_abs):
                     raise TaskFormatError(
-                        f"{where}: COPY destination {dest_abs} is outside the writable paths of the bwrap backend ({', '.join(cfg.writable_paths)})"
+                        f"{where}: COPY destination {dest_abs} is inside the bwrap backend's read-only base ({', '.join(rfs.read_only)})"
                     )
                 srcs = _sources(recipe, st)
                 into_dir = dest.endswith("/") or len(srcs) > 1

@@ -1,7 +1,8 @@
 """Read-only root filesystems for the bwrap backend, expressed as bwrap mount arguments.
 
 ``host``: the host's /usr and /etc (and the running Python's prefix, so ``python3 -m pytest`` works
-in verifiers), never /root, /home, /work or /var. A directory: every top-level entry of that rootfs
+in verifiers), never /root, /home, /work or /var. A sandbox's root directory is its own (writable,
+as under Docker); these are mounted read-only over it. A directory: every top-level entry of that rootfs
 (made by ``sandboxes/build_rootfs.py`` or debootstrap), except the writable paths.
 """
 
@@ -18,6 +19,18 @@ from tmax_jax.errors import SandboxError
 SKIP_TOP = {"proc", "dev", "sys", "tmp", "run", "mnt", "media", "lost+found", "boot"}
 # Image names in Dockerfiles / task.toml that map to the configured rootfs (no registry here).
 KNOWN_BASES = ("ubuntu", "debian", "python", "buildpack-deps", "alpine", "tmax-base", "localhost/tmax-base")
+# Registries that serve Docker Hub's official images under another prefix, and Terminal-Bench's own
+# base images (``ghcr.io/laude-institute/t-bench/ubuntu-24-04``, ``.../python-3-13``): same names.
+_MIRROR_PREFIXES = (
+    "docker.io/library/",
+    "docker.io/",
+    "index.docker.io/library/",
+    "registry-1.docker.io/library/",
+    "public.ecr.aws/docker/library/",
+    "mirror.gcr.io/library/",
+    "ghcr.io/laude-institute/t-bench/",
+    "library/",
+)
 
 
 @dataclass(frozen=True)
@@ -30,6 +43,19 @@ class Rootfs:
     # Mounted after the writable binds, so they may sit inside one (the host Python under /root).
     late_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def read_only(self) -> tuple[str, ...]:
+        """Where the base is mounted (read-only); every other path of a sandbox is writable."""
+        args = self.args + self.late_args
+        return tuple(args[i + 2] for i in range(len(args) - 2) if args[i] in ("--ro-bind", "--symlink"))
+
+    def writable(self, path: str) -> bool:
+        """Whether a sandbox can write ``path`` (absolute): outside the base and the kernel's dirs."""
+        return not any(
+            path == d or path.startswith(d.rstrip("/") + "/")
+            for d in (*self.read_only, "/proc", "/dev", "/sys")
+        )
 
 
 def _python_prefix() -> Path | None:
@@ -98,6 +124,15 @@ def resolve(spec: str, writable: tuple[str, ...]) -> Rootfs:
 
 
 def is_known_base(image: str) -> bool:
-    name = image.split("@")[0].rsplit(":", 1)[0] if "/" not in image.split(":")[-1] else image
-    name = name.removeprefix("docker.io/").removeprefix("library/")
+    """Whether ``image`` (with or without tag, digest or a mirror registry's prefix) is one of
+    ``KNOWN_BASES``, e.g. ``public.ecr.aws/docker/library/python:3.12-slim`` or ``ubuntu``."""
+    name = image.strip().removeprefix("docker://").split("@")[0]
+    last = name.rsplit("/", 1)[-1]
+    if ":" in last:  # a tag, not a registry's port
+        name = name[: len(name) - len(last)] + last.split(":", 1)[0]
+    name = name.lower()
+    for prefix in _MIRROR_PREFIXES:
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+            break
     return any(name == b or name.startswith(b + "-") for b in KNOWN_BASES)
