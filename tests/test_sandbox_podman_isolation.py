@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import textwrap
+import time
 import uuid
 
 import pytest
@@ -324,3 +325,13 @@ def test_agent_cannot_swap_the_verifiers_tests(cfg, tests_dir):
         v = _verify(sb, tests_dir)
         assert v.logs == {"reward.txt": b"0\n"}, v
         assert sb.exec("sleep 4; cat /app/bg.done; ls -A /tests | wc -l").stdout.split() == ["done", "0"]
+
+
+def test_agent_fork_bomb_does_not_starve_the_verifier(cfg, tests_dir):
+    # The verifier has its own cgroup (pids, memory, CPU): an agent at its pids limit cannot stop it.
+    with make_sandbox(cfg) as sb:
+        sb.exec("echo 42 > /app/answer.txt; (b() { b | b & }; b) >/dev/null 2>&1 </dev/null &", timeout=5)
+        time.sleep(1)
+        assert sb.exec("true", timeout=10).exit_code != 0  # the agent itself cannot fork any more
+        v = _verify(sb, tests_dir)
+    assert v.logs == {"reward.txt": b"1\n"} and v.tampered is None, v
