@@ -2,7 +2,7 @@
 # The accelerator check for issue 15, at most 8 minutes on one H200:
 #   1. the Pallas delta-rule kernels against the pure-JAX path on the device (values, VJP);
 #   2. the delta rule's ms, tokens/s, TFLOP/s and compiled temporaries, JAX path vs kernels (T=32K);
-#   3. 0.8B and 2B train steps at 8K, 32K and 64K tokens: tokens/s, MFU, peak device memory.
+#   3. 2B and 0.8B train steps at 32K, 8K and 64K tokens: tokens/s, MFU, peak device memory.
 # Each part runs in its own process under its own limit (a crash or hang loses only that part); the
 # limits add up to under 8 minutes with their kill grace.
 #   bash benchmarks/device_check.sh            # on the accelerator host
@@ -32,8 +32,8 @@ part() {
 }
 
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-part 60 --part check
-part 70 --part kernel
-part 150 --part train --size 0.8b
-part 170 --part train --size 2b
+part 80 --part check
+part 90 --part kernel
+part 150 --part train --size 2b  # first: the issue's MFU aim is the 2B step at 32K tokens
+part 130 --part train --size 0.8b
 echo "=== device check done in $((SECONDS - START))s"

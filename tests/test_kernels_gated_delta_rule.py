@@ -185,16 +185,19 @@ def test_bad_inputs_name_what_is_wrong():
         pallas_chunked_gated_delta_rule(q, k, v, g, beta, s0[:, :, :4], interpret=True)
     with pytest.raises(ValueError, match="groups"):
         pallas_chunked_gated_delta_rule(q, k, v, g, beta, None, jnp.zeros((1, 7), jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match="precision='fast'"):
+        pallas_chunked_gated_delta_rule(q, k, v, g, beta, chunk_size=16, precision="fast", interpret=True)
     with pytest.raises(ValueError, match="backend='cuda'"):
         pallas_chunked_gated_delta_rule(q, k, v, g, beta, backend="cuda", interpret=True)
 
 
+@pytest.mark.parametrize("precision", ["highest", "high"])
 @pytest.mark.parametrize(
     "backend,platform,call,launches",
     # TPU: one fused kernel per direction; GPU: three per direction (prep, recurrence, chunk-parallel).
     [("tpu", "tpu", "tpu_custom_call", 2), ("gpu", "cuda", "xla.gpu.triton", 6)],
 )
-def test_kernels_lower_for_tpu_and_gpu_at_model_head_dims(backend, platform, call, launches):
+def test_kernels_lower_for_tpu_and_gpu_at_model_head_dims(backend, platform, call, launches, precision):
     """From this CPU host, Pallas lowers both launchers (forward and backward, K = V = 128, C = 64,
     bf16 q/k/v) to Mosaic and to Triton IR: every primitive and block shape passes the backend's
     lowering rules. What runs after that on a chip (Mosaic's layout passes, Triton's PTX) is not
@@ -207,7 +210,9 @@ def test_kernels_lower_for_tpu_and_gpu_at_model_head_dims(backend, platform, cal
     groups = jax.ShapeDtypeStruct((B, T), jnp.int32)
 
     def loss(q, k, v, g, beta, s0, groups):
-        o, s = pallas_chunked_gated_delta_rule(q, k, v, g, beta, s0, groups, 64, backend=backend)
+        o, s = pallas_chunked_gated_delta_rule(
+            q, k, v, g, beta, s0, groups, 64, backend=backend, precision=precision
+        )
         return jnp.sum(o) + jnp.sum(s)
 
     train = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5)))

@@ -59,7 +59,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 f32 = jnp.float32
-_HIGHEST = lax.Precision.HIGHEST  # the state recurrence needs full float32 products (no TF32 / bf16 passes)
 BACKENDS = ("tpu", "gpu")
 
 
@@ -70,16 +69,23 @@ BACKENDS = ("tpu", "gpu")
 # causal mask (Mosaic has no cumsum lowering either).
 
 
-def _nn(a, b):
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_HIGHEST, preferred_element_type=f32)
+@dataclasses.dataclass(frozen=True)
+class _Dots:
+    """The three matmul shapes the bodies use, float32 out, at one precision (``_precision``)."""
 
+    precision: object
 
-def _nt(a, b):  # a @ b.T
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_HIGHEST, preferred_element_type=f32)
+    def _dot(self, a, b, dims):
+        return lax.dot_general(a, b, (dims, ((), ())), precision=self.precision, preferred_element_type=f32)
 
+    def nn(self, a, b):  # a @ b
+        return self._dot(a, b, ((1,), (0,)))
 
-def _tn(a, b):  # a.T @ b
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_HIGHEST, preferred_element_type=f32)
+    def nt(self, a, b):  # a @ b.T
+        return self._dot(a, b, ((1,), (1,)))
+
+    def tn(self, a, b):  # a.T @ b
+        return self._dot(a, b, ((0,), (0,)))
 
 
 @dataclasses.dataclass
@@ -107,7 +113,7 @@ def _row(col, eye):
     return jnp.sum(jnp.where(eye, col, 0.0), axis=0, keepdims=True)
 
 
-def _unit_lower_inverse(a_strict, ii, jj):
+def _unit_lower_inverse(d, a_strict, ii, jj):
     """``(I + A)^-1`` for strictly lower ``A [C, C]`` (C a power of two), by divide and conquer.
 
     With T block-diagonal holding the exact inverses of the blocks of size s/2, every block of size
@@ -124,7 +130,7 @@ def _unit_lower_inverse(a_strict, ii, jj):
         half = s // 2
         # Non-negative ints: truncating div/rem are floor div/mod.
         lower = (lax.div(ii, s) == lax.div(jj, s)) & (lax.rem(ii, s) >= half) & (lax.rem(jj, s) < half)
-        inv = inv - _nn(inv, _nn(jnp.where(lower, a_strict, 0.0), inv))
+        inv = inv - d.nn(inv, d.nn(jnp.where(lower, a_strict, 0.0), inv))
         s *= 2
     return inv
 
@@ -151,49 +157,49 @@ def _gates(rows, C):
     return causal, strict, eye, gamma, beta, read, write, carry
 
 
-def _chunk(k, rows) -> _Chunk:
+def _chunk(d, k, rows) -> _Chunk:
     causal, strict, eye, gamma, beta, read, write, carry = _gates(rows, k.shape[0])
-    kk = _nt(k, k)
+    kk = d.nt(k, k)
     a_strict = jnp.where(strict, beta * kk * gamma, 0.0)
-    t_inv = _unit_lower_inverse(a_strict, *_iotas(k.shape[0]))
+    t_inv = _unit_lower_inverse(d, a_strict, *_iotas(k.shape[0]))
     return _Chunk(causal, strict, eye, gamma, kk, beta, read, write, carry, t_inv, k * (beta * read))
 
 
-def _fwd_chunk(q, k, v, rows, s):
+def _fwd_chunk(d, q, k, v, rows, s):
     """One chunk forward: ``(o [C, BV], s_next [K, BV])`` from the state ``s`` carried into it."""
-    c = _chunk(k, rows)
-    u = _nn(c.t_inv, v * c.beta)
-    v_new = u - _nn(_nn(c.t_inv, c.y), s)
-    intra = jnp.where(c.causal, _nt(q, k) * c.gamma, 0.0)
-    o = _nn(q * c.read, s) + _nn(intra, v_new)
-    s_next = c.carry * s + _tn(k * c.write, v_new)
+    c = _chunk(d, k, rows)
+    u = d.nn(c.t_inv, v * c.beta)
+    v_new = u - d.nn(d.nn(c.t_inv, c.y), s)
+    intra = jnp.where(c.causal, d.nt(q, k) * c.gamma, 0.0)
+    o = d.nn(q * c.read, s) + d.nn(intra, v_new)
+    s_next = c.carry * s + d.tn(k * c.write, v_new)
     return o, s_next
 
 
-def _bwd_chunk(q, k, v, rows, s, do, ds_next):
+def _bwd_chunk(d, q, k, v, rows, s, do, ds_next):
     """One chunk backward: cotangents of (q, k, v, g, beta) and of the carried-in state."""
-    c = _chunk(k, rows)
+    c = _chunk(d, k, rows)
     # Recompute the forward's chunk internals.
     x = v * c.beta
-    w = _nn(c.t_inv, c.y)
-    v_new = _nn(c.t_inv, x) - _nn(w, s)
-    qk = _nt(q, k)
+    w = d.nn(c.t_inv, c.y)
+    v_new = d.nn(c.t_inv, x) - d.nn(w, s)
+    qk = d.nt(q, k)
     intra = jnp.where(c.causal, qk * c.gamma, 0.0)
     q_read, k_write = q * c.read, k * c.write
 
     # o = q_read s + intra v_new ;  s_next = carry s + k_write^T v_new
-    dv_new = _tn(intra, do) + _nn(k_write, ds_next)
-    ds = _tn(q_read, do) + c.carry * ds_next - _tn(w, dv_new)
-    dq_read = _nt(do, s)
-    d_intra = _nt(do, v_new)
-    dk_write = _nt(v_new, ds_next)
+    dv_new = d.tn(intra, do) + d.nn(k_write, ds_next)
+    ds = d.tn(q_read, do) + c.carry * ds_next - d.tn(w, dv_new)
+    dq_read = d.nt(do, s)
+    d_intra = d.nt(do, v_new)
+    dk_write = d.nt(v_new, ds_next)
     d_carry = jnp.sum(jnp.sum(s * ds_next, axis=1, keepdims=True), axis=0, keepdims=True)
 
     # v_new = T x - T y s  ->  dT = dv_new x^T + dW y^T with dW = -dv_new s^T
-    dw = -_nt(dv_new, s)
-    dt = _nt(dv_new, x) + _nt(dw, c.y)
-    dx = _tn(c.t_inv, dv_new)
-    dy = _tn(c.t_inv, dw)
+    dw = -d.nt(dv_new, s)
+    dt = d.nt(dv_new, x) + d.nt(dw, c.y)
+    dx = d.tn(c.t_inv, dv_new)
+    dy = d.tn(c.t_inv, dw)
     dv = dx * c.beta
     dk = dy * (c.beta * c.read)
     y_k = jnp.sum(dy * k, axis=1, keepdims=True)
@@ -201,15 +207,15 @@ def _bwd_chunk(q, k, v, rows, s, do, ds_next):
     dread = y_k * c.beta
 
     # T = (I + A)^-1  ->  dA = -T^T dT T^T, only its strictly lower part feeds A.
-    da = jnp.where(c.strict, -_tn(c.t_inv, _nt(dt, c.t_inv)), 0.0)
+    da = jnp.where(c.strict, -d.tn(c.t_inv, d.nt(dt, c.t_inv)), 0.0)
     dkk = da * c.beta * c.gamma
-    dk = dk + _nn(dkk, k) + _tn(dkk, k)
+    dk = dk + d.nn(dkk, k) + d.tn(dkk, k)
     dbeta = dbeta + jnp.sum(da * c.kk * c.gamma, axis=1, keepdims=True)
     dgamma = da * c.beta * c.kk
 
     dqk = jnp.where(c.causal, d_intra * c.gamma, 0.0)
-    dq = _nn(dqk, k) + dq_read * c.read
-    dk = dk + _tn(dqk, q) + dk_write * c.write
+    dq = d.nn(dqk, k) + dq_read * c.read
+    dk = dk + d.tn(dqk, q) + dk_write * c.write
     dgamma = dgamma + jnp.where(c.causal, d_intra * qk, 0.0)
     dread = dread + jnp.sum(dq_read * q, axis=1, keepdims=True)
     dwrite = jnp.sum(dk_write * k, axis=1, keepdims=True)
@@ -225,36 +231,36 @@ def _bwd_chunk(q, k, v, rows, s, do, ds_next):
     return dq, dk, dv, dg_row, _row(dbeta, c.eye), ds
 
 
-def _prep_fwd(k, v, rows):
+def _prep_fwd(d, k, v, rows):
     """The chunk's ``W`` and ``U`` (GPU: computed for every chunk at once, before the recurrence)."""
-    c = _chunk(k, rows)
-    return _nn(c.t_inv, c.y), _nn(c.t_inv, v * c.beta)
+    c = _chunk(d, k, rows)
+    return d.nn(c.t_inv, c.y), d.nn(c.t_inv, v * c.beta)
 
 
-def _prep_bwd(q, k, rows):
+def _prep_bwd(d, q, k, rows):
     """The chunk's ``W`` and its masked intra-chunk scores ``Q K^T * Gamma``."""
-    c = _chunk(k, rows)
-    return _nn(c.t_inv, c.y), jnp.where(c.causal, _nt(q, k) * c.gamma, 0.0)
+    c = _chunk(d, k, rows)
+    return d.nn(c.t_inv, c.y), jnp.where(c.causal, d.nt(q, k) * c.gamma, 0.0)
 
 
-def _state_step(w, u, k, rows, s):
+def _state_step(d, w, u, k, rows, s):
     """The forward recurrence alone: the state after the chunk, from its ``W`` and ``U``."""
     *_, write, carry = _gates(rows, k.shape[0])
-    return carry * s + _tn(k * write, u - _nn(w, s))
+    return carry * s + d.tn(k * write, u - d.nn(w, s))
 
 
-def _out_chunk(q, k, w, u, rows, s):
+def _out_chunk(d, q, k, w, u, rows, s):
     """The chunk's output from the state carried into it and its ``W``, ``U``."""
     causal, _, _, gamma, _, read, _, _ = _gates(rows, k.shape[0])
-    intra = jnp.where(causal, _nt(q, k) * gamma, 0.0)
-    return _nn(q * read, s) + _nn(intra, u - _nn(w, s))
+    intra = jnp.where(causal, d.nt(q, k) * gamma, 0.0)
+    return d.nn(q * read, s) + d.nn(intra, u - d.nn(w, s))
 
 
-def _dstate_step(w, intra, q, k, rows, do, ds_next):
+def _dstate_step(d, w, intra, q, k, rows, do, ds_next):
     """The backward recurrence alone: ``dS`` carried into the chunk from the one carried out of it."""
     _, _, _, _, _, read, write, carry = _gates(rows, k.shape[0])
-    dv_new = _tn(intra, do) + _nn(k * write, ds_next)
-    return _tn(q * read, do) + carry * ds_next - _tn(w, dv_new)
+    dv_new = d.tn(intra, do) + d.nn(k * write, ds_next)
+    return d.tn(q * read, do) + carry * ds_next - d.tn(w, dv_new)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -270,15 +276,30 @@ def _rows(gb_ref, meta_ref, idx=()):
     return (row(gb_ref, 0), row(gb_ref, 1), *(row(meta_ref, i) for i in range(4)))
 
 
+PRECISIONS = ("highest", "high")
+
+
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """Static launch choices: ``backend`` picks the launcher (``tpu``/``gpu``), ``interpret`` runs it in
-    Pallas interpret mode (any host, slow: for tests), ``block_v`` splits the value dimension."""
+    Pallas interpret mode (any host, slow: for tests), ``block_v`` splits the value dimension,
+    ``precision`` sets the kernels' float32 matmuls (``_precision``)."""
 
     chunk_size: int
     block_v: int
     backend: str
     interpret: bool
+    precision: str = "highest"
+
+
+def _precision(launch: Launch):
+    """``highest``: full float32 products (TPU: Mosaic's fp32 contraction; GPU: Triton's IEEE fp32, which
+    uses no tensor cores). ``high``: on GPU, TF32x3 on tensor cores (~float32 from three passes), for
+    speed; Mosaic offers nothing between bf16 and fp32, so on TPU it is ``highest``. Interpret mode
+    (CPU) is exact float32 either way: ``high`` is checked there for its plumbing, not its numerics."""
+    if launch.precision == "high" and launch.backend == "gpu" and not launch.interpret:
+        return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    return lax.Precision.HIGHEST
 
 
 def _compiler_params(launch: Launch, n_grid: int, sequential_last: bool):
@@ -299,6 +320,7 @@ def _vmem(shape):
 
 
 def _forward_call(launch: Launch, q, k, v, gb, meta, s0):
+    d = _Dots(_precision(launch))
     B, H, Tp, K = q.shape
     V = v.shape[-1]
     C, BV = launch.chunk_size, launch.block_v
@@ -320,6 +342,7 @@ def _forward_call(launch: Launch, q, k, v, gb, meta, s0):
             s = s_scr[...]
             states_ref[...] = s
             o, s_next = _fwd_chunk(
+                d,
                 q_ref[...].astype(f32),
                 k_ref[...].astype(f32),
                 v_ref[...].astype(f32),
@@ -360,6 +383,7 @@ def _forward_call(launch: Launch, q, k, v, gb, meta, s0):
 
 
 def _backward_call(launch: Launch, q, k, v, gb, meta, states, do, ds_final):
+    d = _Dots(_precision(launch))
     B, H, Tp, K = q.shape
     V = v.shape[-1]
     C, BV = launch.chunk_size, launch.block_v
@@ -389,6 +413,7 @@ def _backward_call(launch: Launch, q, k, v, gb, meta, states, do, ds_final):
                 ds_scr[...] = dsf_ref[...].astype(f32)
 
             dq, dk, dv, dg, dbeta, ds = _bwd_chunk(
+                d,
                 q_ref[...].astype(f32),
                 k_ref[...].astype(f32),
                 v_ref[...].astype(f32),
@@ -457,6 +482,7 @@ def _gpu_call(launch, kernel, grid, in_specs, out_specs, out_shape, name):
 
 
 def _forward_gpu(launch: Launch, q, k, v, gb, meta, s0):
+    d = _Dots(_precision(launch))
     B, H, Tp, K = q.shape
     V = v.shape[-1]
     C, BV = launch.chunk_size, launch.block_v
@@ -467,7 +493,7 @@ def _forward_gpu(launch: Launch, q, k, v, gb, meta, s0):
 
     def prep(k_ref, v_ref, gb_ref, meta_ref, w_ref, u_ref):
         w_ref[...], u_ref[...] = _prep_fwd(
-            k_ref[...].astype(f32), v_ref[...].astype(f32), _rows(gb_ref, meta_ref)
+            d, k_ref[...].astype(f32), v_ref[...].astype(f32), _rows(gb_ref, meta_ref)
         )
 
     w, u = _gpu_call(
@@ -485,7 +511,7 @@ def _forward_gpu(launch: Launch, q, k, v, gb, meta, s0):
             t = pl.ds(pl.multiple_of(n * C, C), C)
             states_ref[n] = s
             return _state_step(
-                w_ref[t, :], u_ref[t, :], k_ref[t, :].astype(f32), _rows(gb_ref, meta_ref, (n,)), s
+                d, w_ref[t, :], u_ref[t, :], k_ref[t, :].astype(f32), _rows(gb_ref, meta_ref, (n,)), s
             )
 
         sfin_ref[...] = lax.fori_loop(0, N, step, s0_ref[...].astype(f32))
@@ -511,6 +537,7 @@ def _forward_gpu(launch: Launch, q, k, v, gb, meta, s0):
 
     def out(q_ref, k_ref, w_ref, u_ref, gb_ref, meta_ref, st_ref, o_ref):
         o_ref[...] = _out_chunk(
+            d,
             q_ref[...].astype(f32),
             k_ref[...].astype(f32),
             w_ref[...],
@@ -542,6 +569,7 @@ def _forward_gpu(launch: Launch, q, k, v, gb, meta, s0):
 
 
 def _backward_gpu(launch: Launch, q, k, v, gb, meta, states, do, ds_final, out_shape, store_rows):
+    d = _Dots(_precision(launch))
     B, H, Tp, K = q.shape
     V = v.shape[-1]
     C, BV = launch.chunk_size, launch.block_v
@@ -551,7 +579,7 @@ def _backward_gpu(launch: Launch, q, k, v, gb, meta, states, do, ds_final, out_s
 
     def prep(q_ref, k_ref, gb_ref, meta_ref, w_ref, intra_ref):
         w_ref[...], intra_ref[...] = _prep_bwd(
-            q_ref[...].astype(f32), k_ref[...].astype(f32), _rows(gb_ref, meta_ref)
+            d, q_ref[...].astype(f32), k_ref[...].astype(f32), _rows(gb_ref, meta_ref)
         )
 
     w, intra = _gpu_call(
@@ -575,6 +603,7 @@ def _backward_gpu(launch: Launch, q, k, v, gb, meta, states, do, ds_final, out_s
             t = pl.ds(pl.multiple_of(n * C, C), C)
             dsn_ref[n] = ds_next
             return _dstate_step(
+                d,
                 w_ref[t, :],
                 intra_ref[n],
                 q_ref[t, :].astype(f32),
@@ -611,6 +640,7 @@ def _backward_gpu(launch: Launch, q, k, v, gb, meta, states, do, ds_final, out_s
         q_ref, k_ref, v_ref, gb_ref, meta_ref, st_ref, do_ref, dsn_ref, dq_ref, dk_ref, dv_ref, dgb_ref
     ):
         dq, dk, dv, dg, dbeta, _ = _bwd_chunk(
+            d,
             q_ref[...].astype(f32),
             k_ref[...].astype(f32),
             v_ref[...].astype(f32),
@@ -783,12 +813,15 @@ def pallas_chunked_gated_delta_rule(
     backend: str = "tpu",
     interpret: bool = False,
     block_v: int | None = None,
+    precision: str = "highest",
 ) -> tuple[jax.Array, jax.Array]:
     """Returns ``(out [B, T, H, V] float32, final_state [B, H, K, V] float32)``, differentiable in
     q, k, v, g, beta and the initial state (a ``jax.custom_vjp`` over the two kernels).
 
     ``backend`` picks the launcher ("tpu": Mosaic, "gpu": Triton); ``interpret=True`` runs either in
-    Pallas interpret mode on any host. The initial state belongs to group 0, as in the JAX path.
+    Pallas interpret mode on any host. ``precision``: "highest" (default, full float32 matmuls, as the
+    JAX path) or "high" (GPU: TF32x3, faster; see ``_precision``). The initial state belongs to group
+    0, as in the JAX path.
     """
     B, T, H, K = k_BxTxHxK.shape
     V = v_BxTxHxV.shape[-1]
@@ -799,7 +832,11 @@ def pallas_chunked_gated_delta_rule(
     )  # fmt: skip
     s0 = jnp.zeros((B, H, K, V), f32) if initial_state_BxHxKxV is None else initial_state_BxHxKxV.astype(f32)
     groups = jnp.zeros((B, T), jnp.int32) if groups_BxT is None else groups_BxT.astype(jnp.int32)
-    launch = Launch(chunk_size=chunk_size, block_v=bv, backend=backend, interpret=interpret)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}; expected one of {list(PRECISIONS)}")
+    launch = Launch(
+        chunk_size=chunk_size, block_v=bv, backend=backend, interpret=interpret, precision=precision
+    )
     # g and beta are tiny next to q/k/v: float32 from the start (they enter exponentials and gates).
     return _gdr(
         q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH.astype(f32), beta_BxTxH.astype(f32), s0, groups, launch
