@@ -20,35 +20,35 @@ The sequence is cut into chunks of ``C`` tokens (the tail padded with g = beta =
 chunk, with ``cum`` the cumulative log-decay since the chunk start and ``D[i, j] = exp(cum_i - cum_j)``
 for ``j <= i`` in the same group (else 0), the WY/UT form of the delta rule is
 
-    A     = strictly_lower(diag(beta) K K^T * D)             [C, C]
-    T     = (I + A)^-1                                       [C, C]   (UT transform)
-    u     = T diag(beta) V                                   [C, dv]
-    w     = T diag(beta * exp(cum) * reads) K                [C, dk]
-    v_new = u - w S                                          [C, dv]  (what each token really writes)
-    o     = diag(exp(cum) * reads) Q S + (Q K^T * D) v_new   [C, dv]
-    S'    = exp(cum_last) * carried * S + (diag(exp(cum_last - cum) * writes) K)^T v_new
+    A      = strictly_lower(diag(beta) K K^T * D)                [C, C]
+    T      = (I + A)^-1                                          [C, C]   (UT transform)
+    k_read = diag(beta * exp(cum) * reads) K,  q_read = diag(exp(cum) * reads) Q
+    v_new  = T (diag(beta) V - k_read S)                         [C, dv]  (what each token writes)
+    o      = q_read S + (Q K^T * D) v_new                        [C, dv]
+    S'     = exp(cum_last) * carried * S + (diag(exp(cum_last - cum) * writes) K)^T v_new
 
 where ``reads`` marks tokens in the group of the incoming state, ``writes`` tokens in the group of the
-outgoing one, and ``carried`` whether the whole chunk continues the incoming state. The code is split
-the way a kernel is (the same split as flash-linear-attention's chunk_gated_delta_rule: WY
-preparation, a sequential ``fwd_h`` pass over chunk states, a parallel output pass, and a backward of a
-sequential ``dh`` pass plus parallel per-chunk gradients):
+outgoing one, and ``carried`` whether the whole chunk continues the incoming state. (flash-linear-
+attention precomputes ``u = T diag(beta) V`` and ``w = T k_read`` and writes ``v_new = u - w S``; applying
+T after the subtraction is the same value with one [C, C] x [C, dk] matmul less, and its backward needs
+no ``w``.) The code is split the way a kernel is, as in flash-linear-attention's chunk_gated_delta_rule
+(a sequential pass over chunk states, ``fwd_h``; a backward of a sequential ``dh`` pass and parallel
+per-chunk gradients):
 
-* ``_chunk_prepare``: everything in a chunk that does not depend on the carried state (the inverse,
-  ``u``, ``w``, the decayed read/write keys, the intra-chunk scores). Parallel over chunks.
-* ``_chunk_forward_states``: the only sequential forward step, ``S -> S'`` (and ``v_new``).
-* ``_chunk_outputs``: ``o`` from the chunk's incoming state. Parallel over chunks.
-* ``_chunk_backward_states``: the only sequential backward step, ``dS' -> dS`` (and ``dv_new``).
-* ``_chunk_backward``: the gradients of one chunk's q, k, v, g, beta from its incoming state, the
-  incoming state's... outgoing cotangent and ``dv_new``. Parallel over chunks.
+* ``_chunk_masks``: the packing masks of a chunk from its groups and the incoming state's group.
+* ``_chunk_prepare``: everything in a chunk that does not depend on the carried state (T, the read
+  and write keys, the intra-chunk scores). Parallel over chunks.
+* ``_chunk_forward_states``: the sequential forward step ``S -> S'`` (with ``v_new`` and ``q_read S``).
+* ``_chunk_outputs``: ``o`` from those. Parallel over chunks.
+* ``_chunk_backward_states``: the sequential backward step ``dS' -> dS`` (with ``dv_new``, ``T^T dv_new``).
+* ``_chunk_backward``: the gradients of one chunk's q, k, v, g, beta. Parallel over chunks.
 
-Chunks are processed in blocks of a few at a time: inside a block the parallel pieces run batched over
-its chunks (bigger matmuls), and only the state crosses from chunk to chunk. ``jax.custom_vjp`` gives
-the chunked form its own backward: the forward saves its inputs and one float32 state per chunk (never
-anything ``[C, C]``-sized); the backward walks the blocks in reverse, recomputes each block's
-``_chunk_prepare``, carries ``dS`` and writes the gradients block by block. The inverse is a blocked
-one (halves recursively, Neumann product on the 16x16 diagonal blocks), never differentiated: the
-backward uses ``d(A^-1) = -A^-1 dA A^-1`` directly.
+``jax.custom_vjp`` gives the chunked form its own backward: the forward saves its inputs (in their own
+dtype) and one float32 state per chunk, never anything ``[C, C]``-sized; the backward walks the chunks
+in reverse, recomputes each chunk's ``_chunk_prepare``, carries ``dS`` and writes the gradients chunk by
+chunk (in the inputs' dtypes). Inputs may be bfloat16: each chunk is cast to float32 as it is loaded.
+The inverse is a blocked one (halves recursively, Neumann product on the 16x16 diagonal blocks),
+never differentiated: the backward uses ``d(A^-1) = -A^-1 dA A^-1`` directly.
 """
 
 from __future__ import annotations
@@ -63,17 +63,23 @@ from tmax_jax.models.qwen35.numerics import f32_matmul_precision
 
 f32 = jnp.float32
 
-# Chunks per block of the chunked form: their intra-chunk parts run as one batched computation. More
-# means bigger matmuls (faster on CPU) but more temporaries per block, O(block * C * (C + dk + dv)).
-_CHUNKS_PER_BLOCK = 8
-# The training forward/backward keeps smaller blocks: their temporaries are live next to the saved states.
-_CHUNKS_PER_BLOCK_TRAIN = 4
 # Diagonal blocks up to this size are inverted by a Neumann product; larger ones by halving.
 _INVERSE_BASE = 16
 
 
 def _mm(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum(spec, a, b, precision=f32_matmul_precision(), preferred_element_type=f32)
+
+
+def _chunks_per_block() -> int:
+    """Chunks per step of the loops over the sequence; their state-independent parts run batched.
+
+    On CPU one chunk per step is fastest (measured at T=2048: batched over 4 chunks the matmuls fall
+    out of cache, 3.6x -> 2.7x chunked/recurrent). On accelerators a few chunks per step cut the
+    loop's step count and kernel launches; 8 is a guess, not tuned on a device. Temporaries grow with
+    it, O(block * C * (C + dk + dv)) per head, never with T.
+    """
+    return 1 if jax.default_backend() == "cpu" else 8
 
 
 def _unit_lower_inverse(strict_lower: jax.Array) -> jax.Array:
@@ -134,10 +140,10 @@ class ChunkPrep(NamedTuple):
     cum: jax.Array  # [..., C] log-decay since the chunk start
     decay: jax.Array  # [..., C, C] D: exp(cum_i - cum_j) on the same-group causal mask, else 0
     t_inv: jax.Array  # [..., C, C] T = (I + A)^-1
-    u: jax.Array  # [..., C, dv] T diag(beta) V
-    w: jax.Array  # [..., C, dk] T diag(beta exp(cum) reads) K
-    q_read: jax.Array  # [..., C, dk] diag(exp(cum) reads) Q
-    k_write: jax.Array  # [..., C, dk] diag(exp(cum_last - cum) writes) K
+    v_beta: jax.Array  # [..., C, dv] diag(beta) V
+    kq_read: jax.Array  # [..., 2C, dk] rows :C  k_read = diag(beta exp(cum) reads) K (what S predicts),
+    #                                   rows C: q_read = diag(exp(cum) reads) Q (what reads S)
+    k_write_t: jax.Array  # [..., dk, C] (diag(exp(cum_last - cum) writes) K)^T (what S' takes in)
     intra: jax.Array  # [..., C, C] P: (Q K^T) * D
     gamma: jax.Array  # [...] exp(cum_last) * carried: the incoming state's decay over the chunk
 
@@ -146,113 +152,112 @@ def _chunk_prepare(q, k, v, g, beta, masks: ChunkMasks) -> ChunkPrep:
     """``q, k [..., C, dk]``, ``v [..., C, dv]``, ``g, beta [..., C]``, all float32."""
     C = q.shape[-2]
     cum = jnp.cumsum(g, axis=-1)
-    diff = cum[..., :, None] - cum[..., None, :]
-    # The inner where keeps exp() of the masked (positive) differences from overflowing.
-    decay = jnp.where(masks.same, jnp.exp(jnp.where(masks.same, diff, 0.0)), 0.0)
-    k_beta = k * beta[..., None]
+    # -inf off the mask: exp gives exactly 0 there and never overflows on the (positive) upper half.
+    decay = jnp.exp(jnp.where(masks.same, cum[..., :, None] - cum[..., None, :], -jnp.inf))
     read = jnp.exp(cum) * masks.reads
+    kb_q = jnp.concatenate([k * beta[..., None], q], axis=-2)  # [..., 2C, dk]
     # One matmul for both score matrices (same right operand k): [k_beta; q] k^T.
-    scores = _mm("...ck,...sk->...cs", jnp.concatenate([k_beta, q], axis=-2), k) * jnp.concatenate(
-        [decay, decay], axis=-2
-    )
+    scores = _mm("...ck,...sk->...cs", kb_q, k)
+    scores = scores.reshape(*scores.shape[:-2], 2, C, C) * decay[..., None, :, :]
     strict = jnp.tril(jnp.ones((C, C), bool), -1)
-    t_inv = _unit_lower_inverse(jnp.where(strict, scores[..., :C, :], 0.0))
-    # And one for both UT-transformed right-hand sides: T [v_beta | k_read].
-    dv = v.shape[-1]
-    uw = _mm(
-        "...cs,...sx->...cx", t_inv, jnp.concatenate([v * beta[..., None], k_beta * read[..., None]], -1)
-    )
     return ChunkPrep(
         cum=cum,
         decay=decay,
-        t_inv=t_inv,
-        u=uw[..., :dv],
-        w=uw[..., dv:],
-        q_read=q * read[..., None],
-        k_write=k * (jnp.exp(cum[..., -1:] - cum) * masks.writes)[..., None],
-        intra=scores[..., C:, :],
+        t_inv=_unit_lower_inverse(jnp.where(strict, scores[..., 0, :, :], 0.0)),
+        v_beta=v * beta[..., None],
+        kq_read=kb_q * jnp.concatenate([read, read], axis=-1)[..., None],
+        # Stored transposed so the state update is a plain [dk, C] x [C, dv] matmul.
+        k_write_t=jnp.swapaxes(k * (jnp.exp(cum[..., -1:] - cum) * masks.writes)[..., None], -1, -2),
+        intra=scores[..., 1, :, :],
         gamma=jnp.exp(cum[..., -1]) * masks.carried,
     )
 
 
-def _chunk_forward_states(prep: ChunkPrep, s: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """One chunk's state step: ``s [..., dk, dv]`` in -> ``(s_next [..., dk, dv], v_new [..., C, dv])``."""
-    v_new = prep.u - _mm("...ck,...kv->...cv", prep.w, s)
-    s_next = s * prep.gamma[..., None, None] + _mm("...ck,...cv->...kv", prep.k_write, v_new)
-    return s_next, v_new
+def _chunk_forward_states(prep: ChunkPrep, s: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One chunk's state step from its incoming state ``s [..., dk, dv]``.
+
+    Returns ``(s_next [..., dk, dv], v_new [..., C, dv], q_s [..., C, dv])`` with
+    ``v_new = T (v_beta - k_read s)`` and ``q_s = q_read s`` (one matmul: both read s).
+    """
+    C = prep.t_inv.shape[-1]
+    kq_s = _mm("...ck,...kv->...cv", prep.kq_read, s)
+    v_new = _mm("...cs,...sv->...cv", prep.t_inv, prep.v_beta - kq_s[..., :C, :])
+    s_next = s * prep.gamma[..., None, None] + _mm("...kc,...cv->...kv", prep.k_write_t, v_new)
+    return s_next, v_new, kq_s[..., C:, :]
 
 
-def _chunk_outputs(prep: ChunkPrep, s: jax.Array, v_new: jax.Array) -> jax.Array:
-    """``o [..., C, dv]`` of a chunk from its incoming state ``s [..., dk, dv]`` and ``v_new [..., C, dv]``."""
-    return _mm("...ck,...kv->...cv", prep.q_read, s) + _mm("...cs,...sv->...cv", prep.intra, v_new)
+def _chunk_outputs(prep: ChunkPrep, q_s: jax.Array, v_new: jax.Array) -> jax.Array:
+    """``o = q_read s + P v_new [..., C, dv]`` from ``_chunk_forward_states``' ``q_s`` and ``v_new``."""
+    return q_s + _mm("...cs,...sv->...cv", prep.intra, v_new)
 
 
-def _chunk_backward_states(prep: ChunkPrep, do: jax.Array, ds_next: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _chunk_backward_states(prep: ChunkPrep, do: jax.Array, ds_next: jax.Array):
     """One chunk's backward state step.
 
     ``do [..., C, dv]`` (cotangent of ``o``), ``ds_next [..., dk, dv]`` (of the outgoing state) ->
-    ``(ds [..., dk, dv]`` of the incoming state, ``dv_new [..., C, dv])``.
+    ``(ds [..., dk, dv]`` of the incoming state, ``dv_new [..., C, dv]``, ``dr [..., C, dv])`` where
+    ``dr = T^T dv_new`` is the cotangent of ``v_beta - k_read s``.
     """
-    dv_new = _mm("...cs,...cv->...sv", prep.intra, do) + _mm("...ck,...kv->...cv", prep.k_write, ds_next)
-    ds = (
-        _mm("...ck,...cv->...kv", prep.q_read, do)
-        + ds_next * prep.gamma[..., None, None]
-        - _mm("...ck,...cv->...kv", prep.w, dv_new)
+    dv_new = _mm("...cs,...cv->...sv", prep.intra, do) + _mm("...kc,...kv->...cv", prep.k_write_t, ds_next)
+    dr = _mm("...sc,...sv->...cv", prep.t_inv, dv_new)
+    # s is read by k_read (through -dr) and q_read (through do): one matmul over [k_read; q_read].
+    ds = ds_next * prep.gamma[..., None, None] + _mm(
+        "...ck,...cv->...kv", prep.kq_read, jnp.concatenate([-dr, do], axis=-2)
     )
-    return ds, dv_new
+    return ds, dv_new, dr
 
 
-def _chunk_backward(q, k, v, g, beta, masks: ChunkMasks, prep: ChunkPrep, s, do, ds_next, dv_new):
+def _chunk_backward(q, k, v, g, beta, masks: ChunkMasks, prep: ChunkPrep, s, do, ds_next, dv_new, dr):
     """Gradients of one chunk's ``(q, k, v, g, beta)`` (shapes as the inputs of ``_chunk_prepare``).
 
     ``s``: incoming state, ``do``: cotangent of the outputs, ``ds_next``: of the outgoing state,
-    ``dv_new``: from ``_chunk_backward_states``. Everything local to the chunk.
+    ``dv_new, dr``: from ``_chunk_backward_states``. Everything local to the chunk.
     """
     C = q.shape[-2]
-    v_new = prep.u - _mm("...ck,...kv->...cv", prep.w, s)
-    k_beta = k * beta[..., None]
-    v_beta = v * beta[..., None]
+    k_read, q_read = prep.kq_read[..., :C, :], prep.kq_read[..., C:, :]
+    r = prep.v_beta - _mm("...ck,...kv->...cv", k_read, s)
+    v_new = _mm("...cs,...sv->...cv", prep.t_inv, r)
+    k_write = jnp.swapaxes(prep.k_write_t, -1, -2)
     read = jnp.exp(prep.cum) * masks.reads
-    k_read = k_beta * read[..., None]  # the right factor of w = T k_read
     write = jnp.exp(prep.cum[..., -1:] - prep.cum) * masks.writes
+    k_beta = k * beta[..., None]
 
-    # o = q_read S + P v_new, S' = gamma S + k_write^T v_new, v_new = u - w S.
+    # o = q_read s + P v_new, s' = gamma s + k_write^T v_new, v_new = T (v_beta - k_read s).
     d_intra = _mm("...cv,...sv->...cs", do, v_new)
-    d_q_read = _mm("...cv,...kv->...ck", do, s)
+    d_qk_read = _mm("...cv,...kv->...ck", jnp.concatenate([do, -dr], axis=-2), s)
+    d_q_read, d_k_read = d_qk_read[..., :C, :], d_qk_read[..., C:, :]
     d_k_write = _mm("...cv,...kv->...ck", v_new, ds_next)
     d_gamma = jnp.sum(s * ds_next, axis=(-2, -1))
-    d_w = -_mm("...cv,...kv->...ck", dv_new, s)
-    # u = T v_beta, w = T k_read; T = (I + A)^-1 so dA = -T^T dT T^T (strictly lower part).
-    d_t = _mm("...cv,...sv->...cs", dv_new, v_beta) + _mm("...ck,...sk->...cs", d_w, k_read)
-    d_v_beta = _mm("...sc,...sv->...cv", prep.t_inv, dv_new)
-    d_k_read = _mm("...sc,...sk->...ck", prep.t_inv, d_w)
+    # T = (I + A)^-1: dT = dv_new r^T, dA = -T^T dT T^T (strictly lower part).
+    d_t = _mm("...cv,...sv->...cs", dv_new, r)
     strict = jnp.tril(jnp.ones((C, C), bool), -1)
     d_a = -_mm("...sc,...sd->...cd", prep.t_inv, _mm("...cs,...ds->...cd", d_t, prep.t_inv))
     d_a = jnp.where(strict, d_a, 0.0)
     # A = strict(k_beta k^T * D), P = (q k^T) * D.
     d_kbk = d_a * prep.decay
     d_qk = d_intra * prep.decay
-    qk = _mm("...ck,...sk->...cs", q, k)
-    kbk = _mm("...ck,...sk->...cs", k_beta, k)
-    d_decay = d_a * kbk + d_intra * qk
+    # D enters both products; the raw ones are recomputed (dividing D back out of P is unsafe).
+    kb_q = jnp.concatenate([k_beta, q], axis=-2)
+    raw = _mm("...ck,...sk->...cs", kb_q, k)
+    d_decay = d_a * raw[..., :C, :] + d_intra * raw[..., C:, :]
 
     d_k_beta = _mm("...cs,...sk->...ck", d_kbk, k) + d_k_read * read[..., None]
     dq = _mm("...cs,...sk->...ck", d_qk, k) + d_q_read * read[..., None]
+    # k enters both score matrices as the right operand: [d_kbk; d_qk]^T [k_beta; q] in one matmul.
     dk = (
-        _mm("...cs,...ck->...sk", d_qk, q)
-        + _mm("...cs,...ck->...sk", d_kbk, k_beta)
+        _mm("...cs,...ck->...sk", jnp.concatenate([d_kbk, d_qk], axis=-2), kb_q)
         + d_k_write * write[..., None]
         + d_k_beta * beta[..., None]
     )
-    dv = d_v_beta * beta[..., None]
-    dbeta = jnp.sum(d_k_beta * k, axis=-1) + jnp.sum(d_v_beta * v, axis=-1)
+    dv = dr * beta[..., None]
+    dbeta = jnp.sum(d_k_beta * k, axis=-1) + jnp.sum(dr * v, axis=-1)
 
     # cum enters D (as cum_i - cum_j), the read factor exp(cum), the write factor exp(cum_last - cum)
     # and gamma = exp(cum_last) * carried.
     x = d_decay * prep.decay
     d_cum = jnp.sum(x, axis=-1) - jnp.sum(x, axis=-2)
-    d_cum = d_cum + jnp.sum(d_q_read * prep.q_read, axis=-1) + jnp.sum(d_k_read * k_read, axis=-1)
-    from_write = jnp.sum(d_k_write * prep.k_write, axis=-1)
+    d_cum = d_cum + jnp.sum(d_q_read * q_read, axis=-1) + jnp.sum(d_k_read * k_read, axis=-1)
+    from_write = jnp.sum(d_k_write * k_write, axis=-1)
     d_last = jnp.sum(from_write, axis=-1) + d_gamma * prep.gamma
     d_cum = d_cum - from_write
     d_cum = d_cum.at[..., -1].add(d_last)
@@ -338,13 +343,15 @@ def _forward(q, k, v, g, beta, s0, groups, C: int, per_block: int, save_states: 
         s, out = carry
         x, masks = _block_inputs(seqs, dtypes, grp, prev_last, n0, m, C)
         prep = _chunk_prepare(*x, masks)
-        states, v_new = [], []
+        states, v_new, q_s = [], [], []
         for i in range(m):
             states.append(s)
-            s, v_new_i = _chunk_forward_states(_slice_chunk(prep, i), s)
+            s, v_new_i, q_s_i = _chunk_forward_states(_slice_chunk(prep, i), s)
             v_new.append(v_new_i)
+            q_s.append(q_s_i)
         states = jnp.stack(states, axis=2)  # [B, H, m, K, V]: each chunk's incoming state
-        out = _store(out, _chunk_outputs(prep, states, jnp.stack(v_new, axis=2)), f32, n0, C)
+        o = _chunk_outputs(prep, jnp.stack(q_s, axis=2), jnp.stack(v_new, axis=2))
+        out = _store(out, o, f32, n0, C)
         return (s, out), (states if save_states else None)
 
     out0 = jnp.zeros((B, N * C, H, V), f32)
@@ -369,12 +376,12 @@ def _backward(res, cotangents, C: int, per_block: int):
         x, masks = _block_inputs(seqs, dtypes, grp, prev_last, n0, m, C)
         prep = _chunk_prepare(*x, masks)
         do = _load(d_out, f32, n0, m, C)
-        ds_next, dv_new = [None] * m, [None] * m
+        ds_next, dv_new, dr = [None] * m, [None] * m, [None] * m
         for i in reversed(range(m)):
             ds_next[i] = ds
-            ds, dv_new[i] = _chunk_backward_states(_slice_chunk(prep, i), do[:, :, i], ds)
-        ds_next, dv_new = jnp.stack(ds_next, axis=2), jnp.stack(dv_new, axis=2)
-        d_x = _chunk_backward(*x, masks, prep, s_in, do, ds_next, dv_new)
+            ds, dv_new[i], dr[i] = _chunk_backward_states(_slice_chunk(prep, i), do[:, :, i], ds)
+        ds_next, dv_new, dr = (jnp.stack(x, axis=2) for x in (ds_next, dv_new, dr))
+        d_x = _chunk_backward(*x, masks, prep, s_in, do, ds_next, dv_new, dr)
         grads = tuple(_store(buf, d, dt, n0, C) for buf, d, dt in zip(grads, d_x, dtypes))
         return (ds, grads), None
 
@@ -390,19 +397,17 @@ def _backward(res, cotangents, C: int, per_block: int):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _chunked(q, k, v, g, beta, s0, groups, C):
-    out, s_final, _ = _forward(q, k, v, g, beta, s0, groups, C, _CHUNKS_PER_BLOCK, save_states=False)
+    out, s_final, _ = _forward(q, k, v, g, beta, s0, groups, C, _chunks_per_block(), save_states=False)
     return out, s_final
 
 
 def _chunked_fwd(q, k, v, g, beta, s0, groups, C):
-    out, s_final, states = _forward(
-        q, k, v, g, beta, s0, groups, C, _CHUNKS_PER_BLOCK_TRAIN, save_states=True
-    )
+    out, s_final, states = _forward(q, k, v, g, beta, s0, groups, C, _chunks_per_block(), save_states=True)
     return (out, s_final), (q, k, v, g, beta, groups, states)
 
 
 def _chunked_bwd(C, res, cotangents):
-    return _backward(res, cotangents, C, _CHUNKS_PER_BLOCK_TRAIN)
+    return _backward(res, cotangents, C, _chunks_per_block())
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
