@@ -132,10 +132,13 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"{o['evaluated']} tasks evaluated, {o['env_unavailable']} environment unavailable, "
+        f"{o.get('invalid', 0)} invalid, "
         f"{o['errors']} crashed attempts: {passes}"
     )
     for cat, s in summary["categories"].items():
         p1 = s["pass_at"]["1"]
         print(f"  {cat:24s} {s['evaluated']:4d} tasks  pass@1 {'n/a' if p1 is None else f'{p1:.3f}'}")
+    for row in summary.get("invalid", []):
+        print(f"  invalid: {row['task_id']}: {row['reason'][:200]}")
     print(f"report: {out / 'report.html'}  summary: {out / 'summary.json'}")
     return 0

@@ -1,81 +1,164 @@
-"""Can a task's environment be built without the internet?
+"""Can a task run without the internet?
 
-Terminal-Bench-style tasks build their image from ``environment/Dockerfile``; many of them install
-packages at build time. On an offline machine such a build cannot succeed, and the attempt says
-nothing about the model, so the evaluation reports these tasks as "environment unavailable"
-instead of scoring them 0. The check reads the Dockerfile statically (no build is attempted).
+Harbor tasks build their image from ``environment/Dockerfile``, and many install packages at build
+time; many verifiers (``tests/test.sh``) and reference solutions (``solution/solve.sh``) download
+too (``apt-get install``, ``curl ... | sh`` of an installer, ``uvx``). Where the sandbox has no
+network such a step cannot succeed and the attempt says nothing about the model, so the evaluation
+lists these tasks as "environment unavailable", naming the line, instead of scoring them 0. The
+check reads the files statically (nothing is built or run).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import shlex
 from pathlib import Path
 
-# Commands that download at build time, matched against each shell command of a RUN step (split on
+from tmax_jax.errors import TaskFormatError
+from tmax_jax.sandbox.recipe import instructions
+
+# Commands that download, matched against each simple command of a RUN step or script line (split on
 # && ; | and newlines); the first match names the command. The patterns err towards "fetches": a
 # false "unavailable" costs one skipped task, a false "available" scores the model 0 for our network.
+_OFFLINE_FLAGS = r"(?!.*\s(--offline|--frozen|-o)\b)"
 _FETCHERS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
     (name, re.compile(pattern))
     for name, pattern in (
-        ("uv", r"\buv\s+(pip\s+install|sync|add|tool\s+install|python\s+install)\b"),
-        ("pip install", r"\b(pip3?|python3?(\.\d+)? -m pip)\s+install\b(?!.*--no-index)"),
-        ("poetry install", r"\bpoetry\s+(install|add)\b"),
-        ("pipx install", r"\bpipx\s+install\b"),
-        ("conda install", r"\b(conda|mamba|micromamba)\s+(install|create|env\s+create)\b"),
+        (
+            "uv",
+            r"\buv\s+(pip\s+install|sync|add|lock|tool\s+(install|run)|python\s+install|run\s+.*--with)\b"
+            r"(?!.*\s--offline\b)",
+        ),
+        ("uvx", r"(^|\s|/)uvx\s(?!.*\s--offline\b)"),
+        ("pip download", r"\b(pip(\d(\.\d+)?)?|python(\d(\.\d+)?)?\s+-m\s+pip)\s+download\b(?!.*--no-index)"),
+        ("poetry install", r"\bpoetry\s+(install|add|update|lock)\b"),
+        ("pipx install", r"\bpipx\s+(install|run)\b"),
+        ("conda install", r"\b(conda|mamba|micromamba)\s+(install|create|env\s+create|update)\b"),
         ("apt-get", r"\bapt(-get)?\s+(-\S+\s+)*(install|update|upgrade|dist-upgrade|source|download)\b"),
         ("apk add", r"\bapk\s+(-\S+\s+)*(add|update|upgrade)\b(?!.*--no-network)"),
         ("yum/dnf", r"\b(yum|dnf|microdnf|zypper)\s+(-\S+\s+)*(install|update|upgrade)\b"),
-        ("curl", r"\bcurl\b"),
-        ("wget", r"\bwget\b"),
-        ("git clone", r"\bgit\s+(clone|fetch|pull|submodule\s+update)\b"),
-        ("npm install", r"\b(npm|pnpm)\s+(install|i|ci|add)\b|\byarn(\s+(install|add))?\s*$|\bnpx\b"),
-        ("cargo", r"\bcargo\s+(install|fetch)\b"),
+        ("git clone", r"\bgit\s+(fetch|pull|submodule\s+update|ls-remote)\b"),
+        (
+            "npm install",
+            r"\b(npm|pnpm|bun)\s+(install|i|ci|add|update)\b|\byarn(\s+(install|add))?\s*$|\bnpx\s",
+        ),
+        ("cargo", r"\bcargo\s+(install|fetch|build|run|test|add|update|check)\b" + _OFFLINE_FLAGS),
         ("go get", r"\bgo\s+(get|install|mod\s+download)\b"),
+        ("maven", r"(^|\s|/)mvnw?\s" + r"(?!.*\s(-o|--offline)\b)"),
+        ("gradle", r"(^|\s|/)(gradle|gradlew)\s" + r"(?!.*\s--offline\b)"),
+        (
+            "dotnet restore",
+            r"\bdotnet\s+(restore|add\s+\S+\s+package|tool\s+install|build|run|test|publish)\b(?!.*--no-restore)",
+        ),
+        ("huggingface-cli", r"\b(huggingface-cli\s+download|hf\s+download)\b"),
         ("gem install", r"\b(gem\s+install|bundle(\s+install)?\s*$)"),
         ("R packages", r"install\.packages\(|\bremotes::install"),
         ("cpan", r"\bcpanm?\b"),
     )
 )
 _URL = re.compile(r"^(https?|ftp|git)://|^git@", re.IGNORECASE)
+_URL_IN = re.compile(r"\b(?:https?|ftp)://([^/\s:'\"]+)", re.IGNORECASE)
+_LOCAL_HOST = re.compile(r"^(localhost|127\.\d+\.\d+\.\d+|0\.0\.0\.0|\[?::1\]?|[^.]+)$", re.IGNORECASE)
+_PIP_INSTALL = re.compile(r"(?<!uv\s)\b(pip(\d(\.\d+)?)?|python(\d(\.\d+)?)?\s+-m\s+pip)\s+install\b(.*)")
 
 
 @dataclasses.dataclass(frozen=True)
 class EnvironmentCheck:
     available: bool
-    reason: str = ""  # why not, naming the Dockerfile line
+    reason: str = ""  # why not, naming the file and line
 
 
 def dockerfile_instructions(text: str) -> list[tuple[int, str, str]]:
-    """``(line number, INSTRUCTION, arguments)`` with backslash continuations joined, comments dropped."""
-    out: list[tuple[int, str, str]] = []
-    pending: list[str] = []
-    start = 0
-    for lineno, raw in enumerate(text.splitlines(), start=1):
-        line = raw.rstrip()
-        if not pending and (not line.strip() or line.lstrip().startswith("#")):
-            continue
-        if pending and line.lstrip().startswith("#"):
-            continue  # comment lines inside a continued instruction are ignored by docker too
-        if not pending:
-            start = lineno
-        if line.endswith("\\"):
-            pending.append(line[:-1])
-            continue
-        pending.append(line)
-        joined = " ".join(p.strip() for p in pending)
-        pending = []
-        head, _, rest = joined.partition(" ")
-        out.append((start, head.upper(), rest.strip()))
-    if pending:
-        joined = " ".join(p.strip() for p in pending)
-        head, _, rest = joined.partition(" ")
-        out.append((start, head.upper(), rest.strip()))
-    return out
+    """``(line number, INSTRUCTION, arguments)``: continuations joined, comments dropped, a heredoc's
+    body appended to its instruction's arguments (``RUN <<EOF`` runs the body)."""
+    try:
+        parsed = instructions(text)
+    except TaskFormatError:  # an unclosed heredoc: read what there is; the build reports the error
+        parsed = instructions(re.sub(r"(?<!<)<<", "< <", text))
+    return [(i.line, i.name, "\n".join([i.rest, *(body for _, _, body in i.heredocs)])) for i in parsed]
 
 
 def _shell_commands(script: str) -> list[str]:
     return [c.strip() for c in re.split(r"&&|\|\||;|\||\n", script) if c.strip()]
+
+
+def _pip_fetches(cmd: str) -> bool:
+    """``pip install``: offline with ``--no-index``, or ``--no-deps`` of local paths only."""
+    m = _PIP_INSTALL.search(cmd)
+    if not m:
+        return False
+    try:
+        words = shlex.split(m.group(6))
+    except ValueError:
+        words = m.group(6).split()
+    if "--no-index" in words:
+        return False
+    takes_value = {"-r", "--requirement", "-c", "--constraint", "-t", "--target", "--prefix", "--root"}
+    targets, skip = [], False
+    for w in words:
+        if skip:
+            skip = False
+            if w in ("-r", "--requirement"):
+                return True
+            continue
+        if w in ("-r", "--requirement"):
+            return True  # a requirements file names packages from the index
+        if w in takes_value:
+            skip = True
+        elif not w.startswith("-"):
+            targets.append(w)
+    local = all(t.startswith((".", "/", "~")) or t.endswith((".whl", ".tar.gz", ".zip")) for t in targets)
+    return not (targets and local and "--no-deps" in words)
+
+
+def _curl_fetches(cmd: str, strict: bool) -> bool:
+    """curl/wget of a URL on another machine (``curl localhost:8000`` talks to the task's service).
+
+    strict (a build step, where no service of the task runs yet): any curl/wget but one that names
+    only local hosts."""
+    if not re.search(r"(^|\s|/)(curl|wget)\s", cmd + " "):
+        return False
+    hosts = _URL_IN.findall(cmd)
+    if not hosts:
+        # `curl -fsS example.com/x` (no scheme): a dotted host name is another machine.
+        words = [w for w in cmd.split()[1:] if not w.startswith("-")]
+        hosts = [
+            w.split("/")[0].split(":")[0] for w in words if re.match(r"^[\w-]+(\.[\w-]+)+(:\d+)?(/|$)", w)
+        ]
+    if strict and not hosts:
+        return True
+    return any(not _LOCAL_HOST.match(h) for h in hosts)
+
+
+def _git_clone_fetches(cmd: str) -> bool:
+    m = re.search(r"\bgit\s+clone\b(.*)", cmd)
+    if not m:
+        return False
+    return any(_URL.search(w) or re.match(r"^[\w.-]+@[\w.-]+:", w) for w in m.group(1).split())
+
+
+def command_fetches(cmd: str, strict: bool = False) -> str | None:
+    """What downloads in one simple shell command, or None (``strict``: see ``_curl_fetches``)."""
+    if _pip_fetches(cmd):
+        return "pip install"
+    if _curl_fetches(cmd, strict):
+        return "curl" if re.search(r"(^|\s|/)curl\s", cmd + " ") else "wget"
+    if _git_clone_fetches(cmd):
+        return "git clone"
+    for name, pattern in _FETCHERS:
+        if pattern.search(cmd):
+            return name
+    return None
+
+
+def _script_fetches(script: str, lineno: int, strict: bool = False) -> list[tuple[int, str]]:
+    found: list[tuple[int, str]] = []
+    for cmd in _shell_commands(script):
+        what = command_fetches(cmd, strict)
+        if what and (lineno, what) not in found:
+            found.append((lineno, what))
+    return found
 
 
 def network_fetches(dockerfile: str) -> list[tuple[int, str]]:
@@ -85,30 +168,70 @@ def network_fetches(dockerfile: str) -> list[tuple[int, str]]:
         if instr == "RUN":
             # Exec form RUN ["bash", "-c", "..."] reads the same once the JSON punctuation is gone.
             script = re.sub(r'^\[|\]$|",\s*"', " ", args) if args.startswith("[") else args
-            for cmd in _shell_commands(script):
-                for name, pattern in _FETCHERS:
-                    if pattern.search(cmd):
-                        if (lineno, name) not in found:
-                            found.append((lineno, name))
-                        break
-        elif instr == "ADD":
-            srcs = [a for a in args.split() if not a.startswith("--")][:-1]
-            if any(_URL.search(s) for s in srcs):
+            found += [f for f in _script_fetches(script, lineno, strict=True) if f not in found]
+        elif instr in ("ADD", "COPY"):
+            words = [a for a in args.split() if not a.startswith("--")]
+            if instr == "ADD" and any(_URL.search(s) for s in words[:-1]):
                 found.append((lineno, "ADD from a URL"))
+            if any(re.match(r"--from=[\w.-]+[/:]", a) for a in args.split()):
+                found.append((lineno, f"{instr} --from an image in a registry"))
     return found
 
 
-def check_environment(task_dir: str | Path, *, network: bool = False) -> EnvironmentCheck:
-    """Whether ``task_dir``'s environment can be built; always available when builds have network."""
-    dockerfile = Path(task_dir) / "environment" / "Dockerfile"
-    if network or not dockerfile.is_file():
-        return EnvironmentCheck(True)
-    fetches = network_fetches(dockerfile.read_text(errors="replace"))
-    if not fetches:
-        return EnvironmentCheck(True)
+def script_fetches(text: str) -> list[tuple[int, str]]:
+    """``(line, what)`` for every line of a shell script that downloads (continuations joined)."""
+    found: list[tuple[int, str]] = []
+    buf, start = "", 0
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.rstrip()
+        if not buf:
+            start = n
+            if line.lstrip().startswith("#"):
+                continue
+        if line.endswith("\\"):
+            buf += line[:-1] + " "
+            continue
+        buf += line
+        code = re.sub(r"(^|\s)#.*$", "", buf)  # a trailing comment
+        found += [f for f in _script_fetches(code, start) if f not in found]
+        buf = ""
+    if buf:
+        found += [f for f in _script_fetches(buf, start) if f not in found]
+    return found
+
+
+def _unavailable(fetches: list[tuple[int, str]], file: str, when: str) -> EnvironmentCheck:
     where = ", ".join(f"line {ln} ({what})" for ln, what in fetches[:3])
     more = f" and {len(fetches) - 3} more" if len(fetches) > 3 else ""
     return EnvironmentCheck(
-        False,
-        f"environment/Dockerfile fetches from the internet at build time: {where}{more}; this run is offline",
+        False, f"{file} fetches from the internet {when}: {where}{more}; this run is offline"
     )
+
+
+def check_environment(
+    task_dir: str | Path, *, network: bool = False, run_network: bool | None = None
+) -> EnvironmentCheck:
+    """Whether ``task_dir`` can run here.
+
+    network: environment builds can reach the internet. run_network: the sandbox the agent and the
+    verifier run in can (default: the same as ``network``); without it a ``tests/test.sh`` or
+    ``solution/solve.sh`` that downloads makes the task unavailable.
+    """
+    task_dir = Path(task_dir)
+    run_network = network if run_network is None else run_network
+    dockerfile = task_dir / "environment" / "Dockerfile"
+    if not network and dockerfile.is_file():
+        fetches = network_fetches(dockerfile.read_text(errors="replace"))
+        if fetches:
+            return _unavailable(fetches, "environment/Dockerfile", "at build time")
+    if not run_network:
+        for rel, when in (
+            ("tests/test.sh", "at test time"),
+            ("solution/solve.sh", "in the reference solution"),
+        ):
+            p = task_dir / rel
+            if p.is_file():
+                fetches = script_fetches(p.read_text(errors="replace"))
+                if fetches:
+                    return _unavailable(fetches, rel, when)
+    return EnvironmentCheck(True)

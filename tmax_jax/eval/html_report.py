@@ -29,6 +29,7 @@ def _stats_row(name: str, s: Mapping[str, Any], ks: list[int]) -> list[str]:
         _fmt(s["tasks"]),
         _fmt(s["evaluated"]),
         _fmt(s["env_unavailable"]),
+        _fmt(s.get("invalid", 0)),
         *[_fmt(s["pass_at"][str(j)]) for j in ks],
         _fmt(s["mean_reward"]),
         _fmt(s["errors"]),
@@ -43,6 +44,7 @@ def render_html(summary: Mapping[str, Any]) -> str:
         "tasks",
         "evaluated",
         "env unavailable",
+        "invalid",
         *[f"pass@{j}" for j in ks],
         "mean reward",
         "errors",
@@ -97,7 +99,8 @@ td:first-child, th:first-child {{ text-align: left; }}
 <h1>Evaluation report</h1>
 <ul>{meta_items}</ul>
 <p>pass@j is the unbiased estimator of Chen et al. (2021) averaged over evaluated tasks; tasks whose
-environment cannot be built offline are listed as "environment unavailable" and not scored.</p>
+environment cannot be built offline are listed as "environment unavailable", malformed task dirs as
+"invalid", and neither is scored.</p>
 <h2>Overall</h2>
 {_table(stat_header, [_stats_row("all", overall, ks)])}
 {charts[0]}

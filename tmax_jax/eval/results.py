@@ -19,8 +19,11 @@ from typing import Any, Literal
 
 from tmax_jax.errors import ConfigError
 
-Status = Literal["passed", "failed", "error", "env_unavailable"]
-STATUSES: tuple[str, ...] = ("passed", "failed", "error", "env_unavailable")
+# env_unavailable: the task cannot run here (no network, a build step this backend cannot honour);
+# invalid: the task dir itself is malformed. Neither is scored.
+Status = Literal["passed", "failed", "error", "env_unavailable", "invalid"]
+STATUSES: tuple[str, ...] = ("passed", "failed", "error", "env_unavailable", "invalid")
+UNSCORED: tuple[str, ...] = ("env_unavailable", "invalid")
 RESULTS_FILE = "results.jsonl"
 RUN_FILE = "run.json"
 

@@ -7,6 +7,8 @@ Output layout under ``out_dir``::
     summary.json, report.html pass@1 / pass@k overall and per category, per-task rows
     tasks/<task_id>/attempt-<i>/commands.jsonl   every shell command of the agent and its output
                                verifier.log, trajectory.json, error.txt (when the attempt crashed)
+                               verifier/   every file the verifier wrote under /logs/verifier
+                                           (reward.txt, ctrf.json, its own logs)
 
 Attempts run on a thread pool of ``concurrency`` workers; each holds one sandbox at a time (the task
 runner starts and closes it), so ``concurrency`` bounds the live sandboxes.
@@ -44,6 +46,7 @@ class AttemptOutcome:
     reason: str = ""
     duration_s: float = 0.0
     verifier_log: str = ""
+    verifier_files: Mapping[str, bytes] = dataclasses.field(default_factory=dict)
 
 
 AttemptFn = Callable[[EvalTask, AgentFn], AttemptOutcome]
@@ -77,6 +80,7 @@ def harbor_attempt(
         reason=str(res.reason or ""),
         duration_s=float(res.duration_s or 0.0),
         verifier_log=str(res.verifier_log or ""),
+        verifier_files=dict(getattr(res, "verifier_files", None) or {}),
     )
 
 
@@ -90,6 +94,22 @@ def _jsonable(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
         return dataclasses.asdict(obj)
     return repr(obj)
+
+
+def _keep_verifier_files(dest: Path, files: Mapping[str, bytes]) -> None:
+    """Write the verifier's /logs/verifier files under ``dest`` (a rerun replaces the old ones).
+
+    Names come from inside the sandbox: only plain relative names are written, never a path that
+    could leave ``dest``."""
+    if dest.is_dir():
+        for old in dest.iterdir():
+            if old.is_file() or old.is_symlink():
+                old.unlink()
+    for name, data in files.items():
+        if not name or name in (".", "..") or "/" in name or "\0" in name:
+            continue
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / name).write_bytes(bytes(data))
 
 
 def attempt_dir(out_dir: Path, task_id: str, attempt: int) -> Path:
@@ -126,6 +146,7 @@ def _run_one(
             log=rel,
         )
     (adir / "verifier.log").write_text(outcome.verifier_log)
+    _keep_verifier_files(adir / "verifier", outcome.verifier_files)
     if outcome.reason.startswith(BUILD_FAILED):
         # The image could not be built here (a missing base rootfs, a step needing a tool this host
         # lacks): the model never ran, so this is not a failed attempt.
@@ -184,17 +205,18 @@ def evaluate(
 
     for t in tasks:
         if not t.environment.available and not results.is_done(t.task_id, 0):
-            results.add(
-                AttemptRecord(
-                    t.task_id, 0, "env_unavailable", category=t.category, reason=t.environment.reason
-                )
-            )
+            status = "invalid" if t.invalid else "env_unavailable"
+            results.add(AttemptRecord(t.task_id, 0, status, category=t.category, reason=t.environment.reason))
+            if t.invalid:
+                log(f"eval: {t.task_id}: invalid task, not run: {t.invalid[:300]}")
     runnable = [t for t in tasks if t.environment.available]
     # Attempt-major order: an interrupted run has pass@1 over every task before any pass@k.
     pending = [(t, a) for a in range(cfg.k) for t in runnable if not results.is_done(t.task_id, a)]
     skipped = len(runnable) * cfg.k - len(pending)
+    n_invalid = sum(bool(t.invalid) for t in tasks)
     log(
-        f"eval: {len(tasks)} tasks ({len(tasks) - len(runnable)} environment unavailable), k={cfg.k}: "
+        f"eval: {len(tasks)} tasks ({len(tasks) - len(runnable) - n_invalid} environment unavailable, "
+        f"{n_invalid} invalid), k={cfg.k}: "
         f"{len(pending)} attempts to run, {skipped} already done, concurrency {cfg.concurrency}"
     )
     t0 = time.monotonic()
@@ -219,7 +241,9 @@ def evaluate(
                 rec = fut.result()
                 results.add(rec)
                 done += 1
-                note = f" ({rec.reason[:120]})" if rec.status in ("error", "env_unavailable") else ""
+                note = (
+                    f" ({rec.reason[:120]})" if rec.status in ("error", "env_unavailable", "invalid") else ""
+                )
                 log(
                     f"[{done}/{len(pending)}] {rec.task_id} #{rec.attempt}: {rec.status} "
                     f"reward {rec.reward:.2f} in {rec.duration_s:.1f}s{note}"

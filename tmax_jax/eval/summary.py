@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from tmax_jax.eval.passk import mean_pass_at_k, pass_at_k
-from tmax_jax.eval.results import AttemptRecord, records_by_task
+from tmax_jax.eval.results import UNSCORED, AttemptRecord, records_by_task
 
 UNCATEGORIZED = "uncategorized"
 
@@ -26,8 +26,8 @@ def report_ks(k: int) -> list[int]:
 def _task_row(
     task_id: str, category: str, recs: Sequence[AttemptRecord], ks: Sequence[int]
 ) -> dict[str, Any]:
-    unavailable = [r for r in recs if r.status == "env_unavailable"]
-    scored = [r for r in recs if r.status != "env_unavailable"]
+    unavailable = [r for r in recs if r.status in UNSCORED]
+    scored = [r for r in recs if r.status not in UNSCORED]
     row: dict[str, Any] = {
         "task_id": task_id,
         "category": category,
@@ -38,7 +38,7 @@ def _task_row(
         "mean_duration_s": float(np.mean([r.duration_s for r in recs])) if recs else None,
     }
     if unavailable:
-        row["status"] = "env_unavailable"
+        row["status"] = unavailable[-1].status
         row["reason"] = unavailable[-1].reason
     elif not scored:
         row["status"] = "not_run"
@@ -59,6 +59,7 @@ def _group_stats(rows: Sequence[Mapping[str, Any]], ks: Sequence[int]) -> dict[s
         "tasks": len(rows),
         "evaluated": len(evaluated),
         "env_unavailable": sum(r["status"] == "env_unavailable" for r in rows),
+        "invalid": sum(r["status"] == "invalid" for r in rows),
         "not_run": sum(r["status"] == "not_run" for r in rows),
         "attempts": sum(r["attempts"] for r in evaluated),
         "errors": sum(r["errors"] for r in evaluated),
@@ -78,7 +79,8 @@ def summarize(
 ) -> dict[str, Any]:
     """The JSON summary of a run over ``tasks`` (task id -> category) with ``k`` attempts each.
 
-    pass@j averages over evaluated tasks only: environment-unavailable tasks are listed, not scored.
+    pass@j averages over evaluated tasks only: environment-unavailable and invalid tasks are listed,
+    not scored.
     """
     ks = report_ks(k)
     by_task = records_by_task(records)
@@ -95,5 +97,8 @@ def summarize(
         "tasks": rows,
         "env_unavailable": [
             {"task_id": r["task_id"], "reason": r["reason"]} for r in rows if r["status"] == "env_unavailable"
+        ],
+        "invalid": [
+            {"task_id": r["task_id"], "reason": r["reason"]} for r in rows if r["status"] == "invalid"
         ],
     }

@@ -17,7 +17,8 @@ class EvalTask:
     path: Path
     category: str  # task.toml [metadata] category
     environment: EnvironmentCheck
-    task: Any  # the loaded tmax_jax.tasks.Task
+    task: Any  # the loaded tmax_jax.tasks.Task (None when invalid)
+    invalid: str = ""  # why the task dir could not be loaded: listed as invalid, never run
 
 
 def _category(task: Any) -> str:
@@ -32,24 +33,37 @@ def _category(task: Any) -> str:
 def find_eval_tasks(root: str | Path, *, network: bool = False) -> list[EvalTask]:
     """Harbor tasks under ``root`` (TMAX task.json dirs are skipped), sorted by id.
 
-    A malformed task raises TaskFormatError naming it: an evaluation silently missing a task would
-    report a pass rate over a different set.
+    A malformed task dir is kept in the set as ``invalid`` with the reason (it is listed in the
+    report, not scored) so the rest of the set still runs; a set without any Harbor task dir is a
+    TaskFormatError.
     """
     from tmax_jax.tasks import find_tasks, load_task
+    from tmax_jax.tasks.tmax_format import is_tmax
 
     root = Path(root)
     out = []
     for path in find_tasks(root):
-        task = load_task(path)
-        if task.format != "harbor":
-            continue
         task_id = path.relative_to(root).as_posix() if path != root else path.name
-        env = check_environment(path, network=network)
+        try:
+            task = load_task(path)
+            if task.format != "harbor":
+                continue
+            category = _category(task)
+        except TaskFormatError as e:
+            if is_tmax(path):
+                continue  # not a Harbor task: not part of this evaluation
+            why = str(e)
+            out.append(
+                EvalTask(task_id, path, UNCATEGORIZED, EnvironmentCheck(False, why), None, invalid=why)
+            )
+            continue
+        run_network = network and task.limits.allow_internet
+        env = check_environment(path, network=network, run_network=run_network)
         if env.available and not network and task.limits.allow_internet:
             env = EnvironmentCheck(
                 False, "task.toml allows internet at run time (allow_internet = true) and this run is offline"
             )
-        out.append(EvalTask(task_id, path, _category(task), env, task))
+        out.append(EvalTask(task_id, path, category, env, task))
     if not out:
         raise TaskFormatError(f"no Harbor tasks (task.toml + instruction.md + tests/test.sh) under {root}")
     return sorted(out, key=lambda t: t.task_id)

@@ -1,23 +1,43 @@
 """Environment recipes: a Dockerfile subset and Apptainer ``.def`` files parsed into build steps.
 
 The bwrap backend cannot run a real image build, so a recipe is reduced to steps it can replay in a
-sandbox over the read-only rootfs: FROM (mapped to a local rootfs), RUN, COPY/ADD (local files),
-WORKDIR, ENV, ARG. Instructions that only describe how a container is launched (CMD, ENTRYPOINT,
-EXPOSE, LABEL, ...) are recorded and ignored; anything else is an error naming the instruction.
+sandbox over the read-only rootfs: FROM (mapped to a local rootfs), RUN, COPY/ADD (local files and
+archives), WORKDIR, ENV, ARG, SHELL and USER, BuildKit heredocs (``RUN <<EOF``, ``COPY <<EOF /path``).
+
+What the replay cannot express as its four step kinds (run, copy, workdir, env) is rewritten into a
+RUN step here: a heredoc file becomes a shell write, a local archive ``ADD`` a copy plus ``tar -x``,
+``SHELL`` and ``USER`` a wrapper around each later RUN (``setpriv`` to the user, as root of the
+sandbox holds CAP_SETUID inside its own namespace). Variables expand as Docker does, over the base
+image's defaults (``PATH``, ``HOME``) rather than over nothing. Instructions that only describe how a
+container is launched (CMD, ENTRYPOINT, EXPOSE, LABEL, ...) are recorded and ignored; anything that
+cannot be honoured is a TaskFormatError naming the file, line and instruction.
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import posixpath
 import re
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tmax_jax.errors import TaskFormatError
+from tmax_jax.sandbox.base import BASE_PATH
 
 IGNORED = {"CMD", "ENTRYPOINT", "EXPOSE", "LABEL", "MAINTAINER", "STOPSIGNAL", "HEALTHCHECK"}
-UNSUPPORTED = {"VOLUME", "SHELL", "ONBUILD"}
+UNSUPPORTED = {"VOLUME", "ONBUILD"}
+# What ``${PATH}`` and ``${HOME}`` mean in a Dockerfile: the base image's values, not the empty string
+# (``ENV PATH=/opt/x:${PATH}`` would otherwise leave the next RUN without mkdir).
+DEFAULT_BASE_ENV = {"PATH": BASE_PATH, "HOME": "/root"}
+DEFAULT_SHELL = ("/bin/bash", "-c")
+# RUN flags that change nothing a replay keeps: a cache mount only speeds a build up; the network
+# flags are moot (build steps that download are found and reported by the availability check).
+_HARMLESS_RUN_FLAGS = re.compile(r"^--(mount=(type=cache|type=tmpfs)\b.*|network=.*|security=sandbox)$")
+_HEREDOC = re.compile(r"(?<!<)<<(-?)\s*([\"']?)([A-Za-z_][\w.-]*)\2")
+_ARCHIVE = re.compile(r"\.(tar|tgz|tbz2?|txz|tar\.(gz|bz2|xz|zst))$")
 
 
 @dataclass(frozen=True)
@@ -32,40 +52,89 @@ class Step:
 
 @dataclass
 class Recipe:
+    """``user``: the Dockerfile's last USER (what the container, so the agent, would run as)."""
+
     base: str = "ubuntu:24.04"
     steps: list[Step] = field(default_factory=list)
     context: Path | None = None
     ignored: list[str] = field(default_factory=list)
+    user: str = "root"
 
     def key_data(self) -> list:
         return [self.base, [(s.kind, list(s.args)) for s in self.steps]]
 
 
-def _logical_lines(text: str):
-    buf, start = "", 0
-    for n, raw in enumerate(text.splitlines(), 1):
-        line = raw.rstrip()
+@dataclass(frozen=True)
+class Instruction:
+    line: int
+    name: str  # upper-cased
+    rest: str
+    source: str
+    heredocs: tuple[tuple[str, bool, str], ...] = ()  # (delimiter, quoted, body)
+
+
+def instructions(text: str, where: Path | str = "Dockerfile") -> list[Instruction]:
+    """Logical instructions: continuations joined, comments dropped, heredoc bodies attached."""
+    lines = text.splitlines()
+    out: list[Instruction] = []
+    buf, start, i = "", 0, 0
+    while i < len(lines):
+        line = lines[i].rstrip()
+        i += 1
         if not buf and (not line.strip() or line.lstrip().startswith("#")):
             continue
         if buf and line.lstrip().startswith("#"):
             continue  # comment lines inside a continuation are dropped, as Docker does
         if not buf:
-            start = n
+            start = i
         if line.endswith("\\"):
             buf += line[:-1] + " "
             continue
-        buf += line
-        yield start, buf.strip()
+        joined = (buf + line).strip()
         buf = ""
+        name, _, rest = joined.partition(" ")
+        name, rest = name.upper(), rest.strip()
+        docs = []
+        if name in ("RUN", "COPY", "ADD"):
+            for m in _HEREDOC.finditer(rest):
+                strip_tabs, quoted, delim = m.group(1) == "-", bool(m.group(2)), m.group(3)
+                body = []
+                while True:
+                    if i >= len(lines):
+                        raise TaskFormatError(
+                            f"{where}:{start}: heredoc <<{delim} of {name} has no closing {delim} line"
+                        )
+                    raw = lines[i]
+                    i += 1
+                    if (raw.lstrip("\t") if strip_tabs else raw).rstrip("\r") == delim:
+                        break
+                    body.append(raw.lstrip("\t") if strip_tabs else raw)
+                docs.append((delim, quoted, "\n".join(body) + "\n" if body else ""))
+        out.append(Instruction(start, name, rest, joined, tuple(docs)))
     if buf:
-        yield start, buf.strip()
+        name, _, rest = buf.strip().partition(" ")
+        out.append(Instruction(start, name.upper(), rest.strip(), buf.strip()))
+    return out
 
 
-_VAR = re.compile(r"\$(\w+)|\$\{(\w+)(?::-([^}]*))?\}")
+_VAR = re.compile(r"\\\$|\$(\w+)|\$\{(\w+)(?::([-+])([^}]*))?\}")
 
 
-def _subst(s: str, env: dict[str, str]) -> str:
-    return _VAR.sub(lambda m: env.get(m.group(1) or m.group(2), m.group(3) or ""), s)
+def _subst(s: str, env: Mapping[str, str]) -> str:
+    """Docker's variable expansion: ``$X``, ``${X}``, ``${X:-default}``, ``${X:+word}``, ``\\$``."""
+
+    def one(m: re.Match) -> str:
+        if m.group(0) == "\\$":
+            return "$"
+        name = m.group(1) or m.group(2)
+        val = env.get(name, "")
+        if m.group(3) == "-":
+            return val or _subst(m.group(4), env)
+        if m.group(3) == "+":
+            return _subst(m.group(4), env) if val else ""
+        return val
+
+    return _VAR.sub(one, s)
 
 
 def _json_or_words(rest: str) -> list[str]:
@@ -79,17 +148,86 @@ def _json_or_words(rest: str) -> list[str]:
     return shlex.split(rest)
 
 
-def parse_dockerfile(path: Path, build_args: dict[str, str] | None = None) -> Recipe:
-    """Parse the Dockerfile subset. Raises TaskFormatError naming the file, line and instruction."""
+def _as_user(user: str, cmd_argv: list[str], explicit_home: bool) -> str:
+    """A shell line that runs ``cmd_argv`` as Docker's ``USER user[:group]`` would.
+
+    As in Docker: a named user takes its primary group and supplementary groups from the image's
+    /etc/passwd and /etc/group; a bare uid without an entry runs with gid 0; HOME is the user's home
+    unless the Dockerfile set HOME itself.
+    """
+    name, _, group = user.partition(":")
+    q = shlex.quote(name)
+    gid = shlex.quote(group) if group else f'"$(id -g {q} 2>/dev/null || echo 0)"'
+    groups = "--clear-groups" if name.isdigit() or group else "--init-groups"
+    setpriv = f"exec /usr/bin/setpriv --reuid={q} --regid={gid} {groups} -- {shlex.join(cmd_argv)}"
+    if explicit_home:
+        return setpriv
+    return f'HOME="$(getent passwd {q} | cut -d: -f6)"; export HOME="${{HOME:-/}}"; {setpriv}'
+
+
+def _is_root(user: str) -> bool:
+    name, _, group = user.partition(":")
+    return name in ("root", "0") and group in ("", "root", "0")
+
+
+class _Stage:
+    """What a RUN step is wrapped in: build arguments, SHELL and USER in force."""
+
+    def __init__(self, shell: tuple[str, ...] = DEFAULT_SHELL):
+        self.args: dict[str, str] = {}
+        self.shell = shell
+        self.user = "root"
+        self.explicit_home = False
+
+    def run_line(self, script: str | None, argv: list[str] | None = None) -> str:
+        """The shell line for a RUN of ``script`` (shell form) or ``argv`` (exec form)."""
+        exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in self.args.items())
+        if argv is None:
+            if self.shell == DEFAULT_SHELL and _is_root(self.user):
+                return exports + script if exports else script
+            argv = [*self.shell, script]
+        elif _is_root(self.user):
+            return exports + shlex.join(argv) if exports else shlex.join(argv)
+        if _is_root(self.user):
+            return exports + f"exec {shlex.join(argv)}"
+        return exports + _as_user(self.user, argv, self.explicit_home)
+
+
+def _write_file_step(dest: str, content: str, mode: str | None, lineno: int, source: str) -> Step:
+    """A RUN step writing ``content`` at ``dest`` (relative to the WORKDIR, as COPY's destination)."""
+    blob = base64.b64encode(content.encode()).decode()
+    q = shlex.quote(dest)
+    cmd = f'mkdir -p "$(dirname {q})" && printf %s {blob} | base64 -d > {q}'
+    if mode:
+        cmd += f" && chmod {shlex.quote(mode)} {q}"
+    return Step("run", (cmd,), lineno, source)
+
+
+def parse_dockerfile(
+    path: Path, build_args: dict[str, str] | None = None, base_env: Mapping[str, str] | None = None
+) -> Recipe:
+    """Parse the Dockerfile subset. Raises TaskFormatError naming the file, line and instruction.
+
+    base_env: the base image's environment that ``$VAR`` expands over (default PATH and HOME).
+    """
     path = Path(path)
     if not path.is_file():
         raise TaskFormatError(f"Dockerfile not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError) as e:
+        raise TaskFormatError(f"{path}: cannot read the Dockerfile: {e}") from None
     recipe = Recipe(base="", context=path.parent)
-    env: dict[str, str] = dict(build_args or {})
-    for lineno, line in _logical_lines(path.read_text()):
-        parts = line.split(None, 1)
-        inst, rest = parts[0].upper(), (parts[1] if len(parts) > 1 else "").strip()
+    build_args = dict(build_args or {})
+    global_args: dict[str, str] = {}  # ARGs before the first FROM: only for FROM lines
+    env: dict[str, str] = dict(base_env or DEFAULT_BASE_ENV)
+    stage = _Stage()
+    n_written = 0
+    for ins in instructions(text, path):
+        inst, rest, lineno, line = ins.name, ins.rest, ins.line, ins.source
         where = f"{path}:{lineno}"
+        # Expansion sees the stage's ARGs and ENVs (ENV wins, as in Docker).
+        scope = {**stage.args, **env}
         if inst == "FROM":
             if recipe.base:
                 raise TaskFormatError(
@@ -98,53 +236,70 @@ def parse_dockerfile(path: Path, build_args: dict[str, str] | None = None) -> Re
             words = [w for w in rest.split() if not w.startswith("--")]
             if not words:
                 raise TaskFormatError(f"{where}: FROM needs an image name")
-            recipe.base = _subst(words[0], env)
-        elif not recipe.base and inst != "ARG":
+            recipe.base = _subst(words[0], global_args)
+        elif inst == "ARG":
+            for k, v in _parse_args(rest, where).items():
+                value = build_args.get(k, _subst(v, scope) if v is not None else None)
+                if not recipe.base:
+                    global_args[k] = value or ""
+                elif value is None and k in global_args:
+                    stage.args[k] = global_args[k]  # `ARG X` in a stage takes the global default
+                elif value is not None:
+                    stage.args[k] = value
+        elif not recipe.base:
             raise TaskFormatError(f"{where}: {inst} before FROM")
         elif inst == "RUN":
-            if rest.startswith("--"):
-                raise TaskFormatError(
-                    f"{where}: RUN flags ({rest.split()[0]}) are not supported by the bwrap backend"
-                )
-            if rest.startswith("["):
-                cmd = shlex.join(_json_or_words(rest))
+            while m := re.match(r"(--\S+)\s*", rest):
+                if not _HARMLESS_RUN_FLAGS.match(m.group(1)):
+                    raise TaskFormatError(
+                        f"{where}: RUN flag {m.group(1)} is not supported by the bwrap backend"
+                    )
+                rest = rest[m.end() :]
+            if ins.heredocs and _HEREDOC.fullmatch(rest):
+                delim, _, body = ins.heredocs[0]
+                if body.startswith("#!"):
+                    # A script with its own interpreter runs as a file, as BuildKit runs it.
+                    n_written += 1
+                    f = f"/tmp/tmax-heredoc-{n_written}"
+                    cmd = stage.run_line(None, [f])
+                    blob = base64.b64encode(body.encode()).decode()
+                    script = f"printf %s {blob} | base64 -d > {f} && chmod 0755 {f} && ({cmd})"
+                    recipe.steps.append(Step("run", (script,), lineno, line))
+                    continue
+                cmd = stage.run_line(body)
+            elif ins.heredocs:
+                # `RUN python3 <<EOF`: the shell's own here-document, given back its body lines.
+                docs = "".join(f"\n{body}{delim}" for delim, _, body in ins.heredocs)
+                cmd = stage.run_line(rest + docs)
+            elif rest.startswith("["):
+                cmd = stage.run_line(None, _json_or_words(rest))
             else:
-                cmd = rest
+                cmd = stage.run_line(rest)
             recipe.steps.append(Step("run", (cmd,), lineno, line))
         elif inst in ("COPY", "ADD"):
-            words = _json_or_words(rest)
-            flags = [w for w in words if w.startswith("--")]
-            words = [w for w in words if not w.startswith("--")]
-            for f in flags:
-                if not f.startswith(("--chown", "--chmod")):
-                    raise TaskFormatError(f"{where}: {inst} {f} is not supported by the bwrap backend")
-            if len(words) < 2:
-                raise TaskFormatError(f"{where}: {inst} needs at least a source and a destination")
-            srcs, dest = [_subst(w, env) for w in words[:-1]], _subst(words[-1], env)
-            for s in srcs:
-                if inst == "ADD" and re.match(r"^[a-z]+://", s):
-                    raise TaskFormatError(
-                        f"{where}: ADD from a URL ({s}) is not supported (no network in builds)"
-                    )
-                if inst == "ADD" and re.search(r"\.(tar|tgz|tar\.\w+)$", s):
-                    raise TaskFormatError(
-                        f"{where}: ADD of an archive ({s}) is not supported by the bwrap backend; use COPY + RUN tar"
-                    )
-            recipe.steps.append(Step("copy", (*srcs, dest), lineno, line))
+            n_written = _copy(recipe, ins, inst, rest, scope, stage, where, n_written)
         elif inst == "WORKDIR":
-            recipe.steps.append(Step("workdir", (_subst(rest, env),), lineno, line))
+            recipe.steps.append(Step("workdir", (_subst(rest, scope),), lineno, line))
         elif inst == "ENV":
             for k, v in _parse_env(rest, where).items():
-                env[k] = _subst(v, env)
+                env[k] = _subst(v, {**stage.args, **env})
+                stage.args.pop(k, None)  # an ENV of the same name hides the ARG
+                if k == "HOME":
+                    stage.explicit_home = True
                 recipe.steps.append(Step("env", (k, env[k]), lineno, line))
-        elif inst == "ARG":
-            k, _, v = rest.partition("=")
-            env.setdefault(k.strip(), v.strip().strip('"'))
+        elif inst == "SHELL":
+            try:
+                shell = json.loads(rest)
+            except ValueError:
+                shell = None
+            if not (isinstance(shell, list) and shell and all(isinstance(x, str) for x in shell)):
+                raise TaskFormatError(f'{where}: SHELL needs the JSON form, e.g. SHELL ["/bin/bash", "-c"]')
+            stage.shell = tuple(shell)
         elif inst == "USER":
-            if rest.split(":")[0] not in ("root", "0"):
-                raise TaskFormatError(
-                    f"{where}: USER {rest} is not supported by the bwrap backend (sandboxes run as root)"
-                )
+            user = _subst(rest, scope).strip()
+            if not user or len(user.split()) != 1:
+                raise TaskFormatError(f"{where}: USER needs one user[:group], got {rest!r}")
+            stage.user = recipe.user = user
         elif inst in IGNORED:
             recipe.ignored.append(line)
         elif inst in UNSUPPORTED:
@@ -156,6 +311,94 @@ def parse_dockerfile(path: Path, build_args: dict[str, str] | None = None) -> Re
     if not recipe.base:
         raise TaskFormatError(f"{path}: no FROM instruction")
     return recipe
+
+
+def _copy(recipe: Recipe, ins: Instruction, inst: str, rest: str, scope, stage, where, n_written) -> int:
+    lineno, line = ins.line, ins.source
+    words = _json_or_words(rest)
+    flags = [w for w in words if w.startswith("--")]
+    words = [w for w in words if not w.startswith("--")]
+    chown = chmod = None
+    for f in flags:
+        if f.startswith("--chown="):
+            chown = _subst(f.split("=", 1)[1], scope)
+        elif f.startswith("--chmod="):
+            chmod = f.split("=", 1)[1]
+        elif f.startswith("--from"):
+            raise TaskFormatError(
+                f"{where}: {inst} {f} (from another image or build stage) is not supported by the bwrap backend"
+            )
+        elif f.startswith("--link") or f == "--parents=false":
+            continue  # layer linking changes how an image is stored, not what is in it
+        else:
+            raise TaskFormatError(f"{where}: {inst} {f} is not supported by the bwrap backend")
+    if len(words) < 2:
+        raise TaskFormatError(f"{where}: {inst} needs at least a source and a destination")
+    srcs, dest = [_subst(w, scope) for w in words[:-1]], _subst(words[-1], scope)
+    docs = {delim: (quoted, body) for delim, quoted, body in ins.heredocs}
+    into_dir = dest.endswith("/") or len(srcs) > 1
+    targets = []
+    plain = []
+    for s in srcs:
+        m = _HEREDOC.fullmatch(s) if s.startswith("<<") else None
+        if m and m.group(3) in docs:
+            # COPY <<EOF /path: an inline file; an unquoted delimiter expands build variables.
+            quoted, body = docs[m.group(3)]
+            target = posixpath.join(dest, m.group(3)) if into_dir else dest
+            recipe.steps.append(
+                _write_file_step(target, body if quoted else _subst(body, scope), chmod, lineno, line)
+            )
+            targets.append(target)
+            continue
+        if inst == "ADD" and re.match(r"^[a-z]+://", s):
+            raise TaskFormatError(f"{where}: ADD from a URL ({s}) is not supported (no network in builds)")
+        if inst == "ADD" and _ARCHIVE.search(s):
+            # ADD unpacks a local archive into the destination directory.
+            n_written += 1
+            tmp = f"/tmp/tmax-add-{n_written}/"
+            recipe.steps.append(Step("copy", (s, tmp), lineno, line))
+            name = shlex.quote(tmp + posixpath.basename(s))
+            q = shlex.quote(dest)
+            recipe.steps.append(
+                Step(
+                    "run",
+                    (f"mkdir -p {q} && tar -xf {name} -C {q} && rm -rf {shlex.quote(tmp)}",),
+                    lineno,
+                    line,
+                )
+            )
+            continue
+        plain.append(s)
+        targets.append(
+            posixpath.join(dest, posixpath.basename(s.rstrip("/")))
+            if into_dir and not any(c in s for c in "*?[") and not s.endswith("/")
+            else dest
+        )
+    if plain:
+        recipe.steps.append(Step("copy", (*plain, dest), lineno, line))
+    fix = []
+    if chown:
+        fix.append(f"chown -R {shlex.quote(chown)}")
+    if chmod and plain:
+        fix.append(f"chmod -R {shlex.quote(chmod)}")
+    if fix and targets:
+        paths = " ".join(shlex.quote(t) for t in dict.fromkeys(targets))
+        recipe.steps.append(Step("run", (" && ".join(f"{c} {paths}" for c in fix),), lineno, line))
+    return n_written
+
+
+def _parse_args(rest: str, where: str) -> dict[str, str | None]:
+    """``ARG NAME[=default] ...``: name -> default (None when there is none)."""
+    out: dict[str, str | None] = {}
+    words = shlex.split(rest)
+    if not words:
+        raise TaskFormatError(f"{where}: ARG needs a name")
+    for w in words:
+        k, eq, v = w.partition("=")
+        if not re.fullmatch(r"[A-Za-z_]\w*", k):
+            raise TaskFormatError(f"{where}: ARG name {k!r} is not a variable name")
+        out[k] = v if eq else None
+    return out
 
 
 def _parse_env(rest: str, where: str) -> dict[str, str]:

@@ -3,20 +3,29 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+import sys
+from collections.abc import Mapping
 
-from tmax_jax.errors import TaskFormatError
+from tmax_jax.errors import TaskFormatError, TmaxError
+from tmax_jax.sandbox.base import BASE_PATH
 from tmax_jax.sandbox.config import SandboxConfig
 from tmax_jax.sandbox.recipe import Recipe, Step, parse_apptainer_def, parse_dockerfile
 from tmax_jax.tasks.model import Task
 
 SETUP_DIR = "/tmp/tmax-setup"
+# python:3.13-slim, docker.io/library/python:3.12, ghcr.io/laude-institute/t-bench/python-3-13:tag
+_PYTHON_TAG = re.compile(r"(?:^|/)python(?::|-)(\d+)(?:[.-](\d+))?(?=$|[-.:@])")
 
 
-def task_recipe(task: Task) -> Recipe:
-    """The task's environment as build steps (Dockerfile subset / container.def + setup.sh)."""
+def task_recipe(task: Task, base_env: Mapping[str, str] | None = None) -> Recipe:
+    """The task's environment as build steps (Dockerfile subset / container.def + setup.sh).
+
+    base_env: what ``$PATH``/``$HOME`` of the base image are on the chosen backend.
+    """
     env = task.environment
     if env.kind == "dockerfile":
-        recipe = parse_dockerfile(env.path)
+        recipe = parse_dockerfile(env.path, base_env=base_env)
     elif env.kind == "apptainer_def":
         recipe = parse_apptainer_def(env.path)
     elif env.kind == "image":
@@ -36,14 +45,73 @@ def task_recipe(task: Task) -> Recipe:
     return recipe
 
 
+def python_tag_version(image: str | None) -> tuple[int, ...] | None:
+    """The Python version a base image's name promises (``python:3.13-slim`` -> (3, 13)), or None."""
+    m = _PYTHON_TAG.search((image or "").split("@")[0])
+    if not m:
+        return None
+    return (int(m.group(1)),) + ((int(m.group(2)),) if m.group(2) else ())
+
+
+def python_mismatch(recipe: Recipe) -> str | None:
+    """A note when the base image names a Python other than the one the sandbox provides (its
+    rootfs is the host's, whatever the tag says); a TaskFormatError when the build depends on that
+    version's ABI (a wheel tagged for it, its site-packages path): it could not build here."""
+    want = python_tag_version(recipe.base)
+    have = sys.version_info[: len(want)] if want else None
+    if not want or tuple(have) == want:
+        return None
+    shown = ".".join(map(str, want))
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if len(want) == 2:
+        tag = rf"cp{want[0]}{want[1]}\b|python{want[0]}\.{want[1]}\b"
+        for st in recipe.steps:
+            text = " ".join(st.args)
+            if st.kind in ("run", "copy") and (m := re.search(tag, text)):
+                raise TaskFormatError(
+                    f"{st.source or st.kind} (line {st.line}): needs Python {shown}'s ABI ({m.group(0)}), "
+                    f"but the base image {recipe.base} maps to the sandbox's Python {here}"
+                )
+    return f"base image {recipe.base} asks for Python {shown}; the sandbox provides Python {here}"
+
+
+def environment_notes(task: Task) -> list[str]:
+    """What a result should say about how the task's environment differs from what it asked for."""
+    try:
+        note = python_mismatch(task_recipe(task))
+    except TmaxError:
+        return []  # the build reports it
+    return [note] if note else []
+
+
+def _bwrap_base_env(cfg: SandboxConfig) -> dict[str, str]:
+    """``$PATH`` as a bwrap sandbox has it: the rootfs's own entries (the host Python) first."""
+    from tmax_jax.sandbox import rootfs
+
+    try:
+        rfs = rootfs.resolve(cfg.rootfs, cfg.writable_paths)
+    except Exception:  # noqa: BLE001 - a bad rootfs is reported by the build itself
+        return {"PATH": BASE_PATH, "HOME": "/root"}
+    return {"PATH": ":".join([*rfs.path_prefix, BASE_PATH]), "HOME": "/root"}
+
+
 def prepare_image(task: Task, cfg: SandboxConfig, log=None):
     """The backend's image for ``task``: BwrapImage (cached layer), podman tag, or .sif path."""
-    recipe = task_recipe(task)
+    recipe = task_recipe(task, _bwrap_base_env(cfg) if cfg.backend == "bwrap" else None)
+    python_mismatch(recipe)  # raises when the build needs the other Python's ABI
     timeout = task.limits.build_timeout_s
     if cfg.backend == "bwrap":
         from tmax_jax.sandbox.bwrap import BwrapImage
         from tmax_jax.sandbox.layers import build_layer, rootfs_for_base
 
+        if recipe.user not in ("root", "0", "root:root", "0:0"):
+            # Build steps after USER run as that user; the agent's and verifier's commands would
+            # need the backend to start them as that user, which bwrap sandboxes do not do yet.
+            raise TaskFormatError(
+                f"{task.environment.path}: USER {recipe.user} as the container's final user is not "
+                "supported by the bwrap backend (agent and tests would run as root); end the Dockerfile "
+                "with USER root or use --backend podman"
+            )
         if not recipe.steps:
             return BwrapImage(rootfs=rootfs_for_base(cfg, recipe.base))
         return build_layer(cfg, recipe, timeout_s=timeout, log=log)

@@ -3,13 +3,16 @@
     instruction.md  task.toml  environment/Dockerfile  tests/test.sh (+ tests/*)  solution/solve.sh
 
 task.toml: ``[metadata]``, ``[verifier] timeout_sec``, ``[agent] timeout_sec``, ``[environment]``
-cpus / memory / storage / allow_internet / build_timeout_sec / docker_image. Older spellings are
+cpus / memory / storage / allow_internet / build_timeout_sec / docker_image; ``[verifier.env]``,
+``[solution.env]``, ``[agent.env]``: environment variables (literal strings; a number or boolean is
+written as TOML would print it) for the verifier, the reference solution and the agent. Older spellings are
 read too: ``memory_mb``, ``storage_mb``, ``max_agent_timeout_sec``/``max_test_timeout_sec`` (top level),
 ``timeout`` for ``timeout_sec``, ``network``/``internet`` for ``allow_internet``.
 """
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -39,6 +42,34 @@ def _section(data: dict, name: str, where: Path) -> dict:
     if not isinstance(sec, dict):
         raise TaskFormatError(f"{where}: [{name}] must be a table, got {type(sec).__name__}")
     return sec
+
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _env_table(sec: dict, name: str, where: Path) -> dict[str, str]:
+    """``[<name>.env]``: NAME = value, each checked (a bad one names the key)."""
+    table = sec.get("env", {})
+    if not isinstance(table, dict):
+        raise TaskFormatError(
+            f"{where}: [{name}.env] must be a table of NAME = value, got {type(table).__name__}"
+        )
+    out: dict[str, str] = {}
+    for k, v in table.items():
+        if not _ENV_NAME.match(k):
+            raise TaskFormatError(f"{where}: {name}.env: {k!r} is not an environment variable name")
+        if isinstance(v, bool):
+            v = "true" if v else "false"
+        elif isinstance(v, (int, float)):
+            v = str(v)
+        elif not isinstance(v, str):
+            raise TaskFormatError(
+                f"{where}: {name}.env.{k} must be a string, number or boolean, got {type(v).__name__}"
+            )
+        if "\0" in v:
+            raise TaskFormatError(f"{where}: {name}.env.{k} contains a NUL byte")
+        out[k] = v
+    return out
 
 
 def _first(sec: dict, keys: tuple[str, ...]) -> tuple[str, Any] | None:
@@ -73,6 +104,14 @@ def load_harbor(path: Path) -> Task:
     ver = _section(data, "verifier", toml_path)
     agent = _section(data, "agent", toml_path)
     env = _section(data, "environment", toml_path)
+    envs = {
+        f"{name}_env": _env_table(sec, name, toml_path)
+        for name, sec in (
+            ("verifier", ver),
+            ("solution", _section(data, "solution", toml_path)),
+            ("agent", agent),
+        )
+    }
     limits: dict[str, Any] = {}
     w = f"{toml_path}"
     # (section, its name in messages, keys in order of preference, TaskLimits field, validator)
@@ -119,4 +158,5 @@ def load_harbor(path: Path) -> Task:
         tests_dir=tests,
         solution=solution if solution.is_file() else None,
         metadata=dict(meta),
+        **envs,
     )

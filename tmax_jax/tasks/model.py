@@ -78,6 +78,11 @@ class Task:
     solution: Path | None = None  # the oracle script (solution/solve.sh or solutions/solve.sh)
     metadata: dict[str, Any] = field(default_factory=dict)
     signature: dict[str, Any] = field(default_factory=dict)  # tmax: sampled axes
+    # Harbor task.toml [verifier.env], [solution.env], [agent.env]: variables set for the verifier,
+    # the reference solution's shell and the agent's shell (on top of the sandbox's own).
+    verifier_env: dict[str, str] = field(default_factory=dict)
+    solution_env: dict[str, str] = field(default_factory=dict)
+    agent_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def prompt(self) -> str:

@@ -27,7 +27,7 @@ from tmax_jax.sandbox import make_sandbox
 from tmax_jax.sandbox.base import EpisodeTimeout, Sandbox
 from tmax_jax.sandbox.config import SandboxConfig
 from tmax_jax.sandbox.shell import ShellSession
-from tmax_jax.tasks.environment import prepare_image, sandbox_config_for
+from tmax_jax.tasks.environment import environment_notes, prepare_image, sandbox_config_for
 from tmax_jax.tasks.model import Task
 from tmax_jax.tasks.reward import parse_reward
 
@@ -46,10 +46,14 @@ class TaskResult:
     verifier_log: str = ""
     phases_s: dict[str, float] = field(default_factory=dict)
     agent_output: Any = None
+    # Everything the verifier wrote under /logs/verifier (name -> bytes): evidence for the attempt
+    # dir, listed by name only in to_json.
+    verifier_files: dict[str, bytes] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         d = asdict(self)
         d.pop("agent_output")
+        d["verifier_files"] = sorted(self.verifier_files)
         return d
 
 
@@ -71,10 +75,22 @@ def run_task(
     t0 = time.monotonic()
     cfg = cfg or (pool.cfg if pool is not None else SandboxConfig())
     phases: dict[str, float] = {}
+    files: dict[str, bytes] = {}  # filled by the verifier (issue 16: keep the evidence)
+    notes = environment_notes(task)  # e.g. the base image's Python differs from the sandbox's
 
     def result(reward: float, reason: str, log: str = "", out=None) -> TaskResult:
+        if notes:
+            reason = f"{reason} [note: {'; '.join(notes)}]"
         return TaskResult(
-            task.name, reward, reward >= 1.0, reason, time.monotonic() - t0, log[-LOG_CAP:], phases, out
+            task.name,
+            reward,
+            reward >= 1.0,
+            reason,
+            time.monotonic() - t0,
+            log[-LOG_CAP:],
+            phases,
+            out,
+            files,
         )
 
     try:
@@ -91,7 +107,7 @@ def run_task(
         else:
             ctx = make_sandbox(scfg, image=image)
         with ctx as sb:
-            return _episode(task, sb, agent, phases, result)
+            return _episode(task, sb, agent, phases, result, files)
     except EpisodeTimeout as e:
         return result(0.0, f"episode timeout: {e}")
     except TmaxError as e:
@@ -145,22 +161,22 @@ def run_oracle(task: Task, sb: Sandbox):
     if task.solution is None:
         raise TaskFormatError(f"{task.path}: no reference solution (solution/solve.sh or solutions/solve.sh)")
     sb.upload(task.solution.parent, "/solution")
-    with sb.shell() as sh:
+    with sb.shell(env=task.solution_env) as sh:
         return sh.run(f"bash /solution/{task.solution.name}", timeout=task.limits.agent_timeout_s)
 
 
-def verify(task: Task, sb: Sandbox) -> tuple[float, str, str]:
+def verify(task: Task, sb: Sandbox, files: dict[str, bytes] | None = None) -> tuple[float, str, str]:
     """Copy the tests in fresh and run the verifier: (reward, reason, log); a verifier that hangs or
-    cannot run gives reward 0 with the reason."""
+    cannot run gives reward 0 with the reason. ``files`` receives what it wrote under /logs/verifier."""
     try:
-        return _verify(task, sb)
+        return _verify(task, sb, files)
     except EpisodeTimeout:
         return 0.0, "verifier timeout", ""
     except SandboxError as e:
         return 0.0, f"verifier could not run: {e}", ""
 
 
-def _episode(task: Task, sb: Sandbox, agent, phases, result) -> TaskResult:
+def _episode(task: Task, sb: Sandbox, agent, phases, result, files=None) -> TaskResult:
     lim = task.limits
     if task.initial_test is not None:
         t = time.monotonic()
@@ -179,7 +195,7 @@ def _episode(task: Task, sb: Sandbox, agent, phases, result) -> TaskResult:
             if res.timed_out:
                 agent_note = "agent timeout"
         elif callable(agent):
-            sh = sb.shell()
+            sh = sb.shell(env=task.agent_env)
             try:
                 agent_out = agent(task, sh)
             except EpisodeTimeout:
@@ -197,7 +213,7 @@ def _episode(task: Task, sb: Sandbox, agent, phases, result) -> TaskResult:
     # The verifier gets its own time budget, whatever the agent used.
     sb.deadline = time.monotonic() + lim.verifier_timeout_s + 60.0
     t = time.monotonic()
-    reward, reason, log = verify(task, sb)
+    reward, reason, log = verify(task, sb, files)
     phases["verifier"] = time.monotonic() - t
     if agent_note and reason == "ok":
         reason = f"ok ({agent_note})"
@@ -206,13 +222,20 @@ def _episode(task: Task, sb: Sandbox, agent, phases, result) -> TaskResult:
     return result(reward, reason, log, agent_out)
 
 
-def _verify(task: Task, sb: Sandbox) -> tuple[float, str, str]:
+def _verify(task: Task, sb: Sandbox, files: dict[str, bytes] | None = None) -> tuple[float, str, str]:
     lim = task.limits
     if task.format == "harbor":
-        vr = sb.run_verifier(task.tests_dir, ["/bin/bash", "/tests/test.sh"], timeout=lim.verifier_timeout_s)
+        vr = sb.run_verifier(
+            task.tests_dir,
+            ["/bin/bash", "/tests/test.sh"],
+            timeout=lim.verifier_timeout_s,
+            env=task.verifier_env,
+        )
     else:
         with _tests_dir(task.final_test, "test_final_state.py") as d:
             vr = sb.run_verifier(d, [*PYTEST, "/tests/test_final_state.py"], timeout=lim.verifier_timeout_s)
+    if files is not None:
+        files.update(vr.logs)
     res = vr.result
     log = res.output
     if vr.tampered:
