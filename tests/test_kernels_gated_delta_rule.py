@@ -191,11 +191,15 @@ def test_bad_inputs_name_what_is_wrong():
         pallas_chunked_gated_delta_rule(q, k, v, g, beta, backend="cuda", interpret=True)
 
 
-@pytest.mark.parametrize("precision", ["highest", "high"])
 @pytest.mark.parametrize(
-    "backend,platform,call,launches",
-    # TPU: one fused kernel per direction; GPU: three per direction (prep, recurrence, chunk-parallel).
-    [("tpu", "tpu", "tpu_custom_call", 2), ("gpu", "cuda", "xla.gpu.triton", 6)],
+    "backend,platform,call,launches,precision",
+    # TPU: one fused kernel per direction; GPU: three per direction (prep, recurrence, chunk-parallel),
+    # and TF32x3 matmuls with precision="high" (on TPU "high" is the same fp32 contraction).
+    [
+        ("tpu", "tpu", "tpu_custom_call", 2, "highest"),
+        ("gpu", "cuda", "xla.gpu.triton", 6, "highest"),
+        ("gpu", "cuda", "xla.gpu.triton", 6, "high"),
+    ],
 )
 def test_kernels_lower_for_tpu_and_gpu_at_model_head_dims(backend, platform, call, launches, precision):
     """From this CPU host, Pallas lowers both launchers (forward and backward, K = V = 128, C = 64,
