@@ -148,3 +148,23 @@ def test_watch_ignores_the_agents_own_files(layers):
     _put(upper, "usr/share/doc/readme")
     _put(upper, "tmp/x")
     assert _wait_for(watch) is None
+
+
+@pytest.mark.parametrize("how", ["symlink", "hardlink", "dir_symlink"])
+def test_package_metadata_linked_to_agent_files_is_found(layers, tmp_path, how):
+    # Metadata that passes the check but points at a file the agent can rewrite after it.
+    upper, lowers = layers
+    agent_file = _put(upper, "app/ep.txt", "[console_scripts]\n")
+    site = upper / "usr/local/lib/python3.11/dist-packages"
+    info = site / "evil-1.0.dist-info"
+    if how == "dir_symlink":
+        site.mkdir(parents=True)
+        info.symlink_to("/app/evil.dist-info")
+    else:
+        info.mkdir(parents=True)
+        if how == "symlink":
+            (info / "entry_points.txt").symlink_to("/app/ep.txt")
+        else:
+            os.link(agent_file, info / "entry_points.txt")
+    reason = scan(upper, lowers)
+    assert reason is not None and "is a link" in reason, reason

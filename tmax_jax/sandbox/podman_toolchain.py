@@ -77,12 +77,16 @@ def _rel_parts(rel: str) -> list[str]:
 
 
 def _entry_kind(path: str) -> str:
-    """'whiteout', 'opaque' (a dir that hides the image's), 'redirect' (a renamed dir), 'dir', 'file'."""
+    """'whiteout', 'opaque' (a dir that hides the image's), 'redirect' (a renamed dir), 'dir',
+    'symlink', 'linked' (a file with other hard links: it can change under a path nobody watches),
+    'file'."""
     st = os.lstat(path)
     if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
         return "whiteout"
+    if stat.S_ISLNK(st.st_mode):
+        return "symlink"
     if not stat.S_ISDIR(st.st_mode):
-        return "file"
+        return "linked" if st.st_nlink > 1 else "file"
     for ns in ("trusted", "user"):
         for attr, kind in (("opaque", "opaque"), ("redirect", "redirect")):
             try:
@@ -208,8 +212,12 @@ def _static_reason(rel: str, kind: str, full: str, image: _Image) -> str | None:
             return f"{where} changes a module the verifier's Python or pytest loads"
         if top.endswith(".pth"):
             return f"{where} is start-up code for every Python process"
-        if (top.endswith((".dist-info", ".egg-info"))) and len(parts) == 2 and parts[1] == "entry_points.txt":
-            if b"pytest11" in _read_small(full):
+        if top.endswith((".dist-info", ".egg-info")):
+            # Package metadata is read through links: one pointing at the agent's files could
+            # register a pytest plugin after the checks.
+            if kind in ("symlink", "linked"):
+                return f"{where} is a link (package metadata must be plain files)"
+            if len(parts) == 2 and parts[1] == "entry_points.txt" and b"pytest11" in _read_small(full):
                 return f"{where} registers a pytest plugin"
         return None
     m = _PY_TREE.match(rel)
