@@ -127,9 +127,11 @@ def _unit_lower_inverse(d, a_strict, ii, jj):
     inv = jnp.where(ii == jj, 1.0, 0.0)
     s = 2
     while s <= C:  # static
-        half = s // 2
-        # Non-negative ints: truncating div/rem are floor div/mod.
-        lower = (lax.div(ii, s) == lax.div(jj, s)) & (lax.rem(ii, s) >= half) & (lax.rem(jj, s) < half)
+        half, shift = s // 2, s.bit_length() - 1
+        # Block index and offset by shift and mask (s is a power of two): TPU vector units have no
+        # integer division.
+        same_block = (ii >> shift) == (jj >> shift)
+        lower = same_block & ((ii & half) != 0) & ((jj & half) == 0)
         inv = inv - d.nn(inv, d.nn(jnp.where(lower, a_strict, 0.0), inv))
         s *= 2
     return inv
