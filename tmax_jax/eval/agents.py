@@ -9,6 +9,7 @@ return a trajectory (a ``tmax_jax.agent.Trajectory``, a dict, or None), which is
 from __future__ import annotations
 
 import json
+import shlex
 import threading
 import time
 from pathlib import Path
@@ -56,6 +57,11 @@ class OracleAgent:
         else:
             body = script.read_text()
             command = f"bash <<'TMAX_ORACLE_EOF'\n{body}\nTMAX_ORACLE_EOF"
+        # task.toml [solution.env]: set for the solution only (a prefix assignment, so nothing stays
+        # exported in the shell).
+        env = getattr(task, "solution_env", None) or {}
+        if env:
+            command = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + command
         res = shell.run(command, timeout=self.timeout_s)
         return {
             "agent": self.name,

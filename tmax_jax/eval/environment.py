@@ -45,8 +45,8 @@ _FETCHERS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ),
         ("cargo", r"\bcargo\s+(install|fetch|build|run|test|add|update|check)\b" + _OFFLINE_FLAGS),
         ("go get", r"\bgo\s+(get|install|mod\s+download)\b"),
-        ("maven", r"(^|\s|/)mvnw?\s" + r"(?!.*\s(-o|--offline)\b)"),
-        ("gradle", r"(^|\s|/)(gradle|gradlew)\s" + r"(?!.*\s--offline\b)"),
+        ("maven", r"(^|\s|/)mvnw?\s" + r"(?!(.*\s)?(-o|--offline)\b)"),
+        ("gradle", r"(^|\s|/)(gradle|gradlew)\s" + r"(?!(.*\s)?--offline\b)"),
         (
             "dotnet restore",
             r"\bdotnet\s+(restore|add\s+\S+\s+package|tool\s+install|build|run|test|publish)\b(?!.*--no-restore)",

@@ -1,0 +1,384 @@
+"""Harbor tasks written the way Docker runs them (issue 16), end to end on real bwrap sandboxes.
+
+Each task here uses one Dockerfile or task.toml feature a Docker build honours (heredocs, ``ENV
+PATH=...:${PATH}``, ``USER`` for build steps, ``COPY --chown``, a local ``ADD`` archive, a mirror
+registry's base name, ``[verifier.env]``/``[solution.env]``/``[agent.env]``, verifier files) and must
+score 1 with its reference solution and 0 without. Tasks that cannot run here (a download at test
+time, a final ``USER``, a build needing another Python's ABI) are listed as unavailable with the
+line that needs it, and a malformed task as invalid, while the rest of the set runs.
+
+Podman is not parametrised here: its builds use the real Dockerfile (another owner's code, being
+changed); these cases are the bwrap backend's replay of a Dockerfile.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+from harbor_helpers import write_harbor_task
+
+from tmax_jax.errors import TaskFormatError
+from tmax_jax.eval.agents import NoopAgent, OracleAgent
+from tmax_jax.eval.environment import check_environment, script_fetches
+from tmax_jax.eval.runner import EvalConfig, evaluate
+from tmax_jax.eval.tasks import find_eval_tasks
+from tmax_jax.sandbox import SandboxConfig
+from tmax_jax.sandbox.base import BASE_PATH
+from tmax_jax.sandbox.bwrap import bwrap_available
+from tmax_jax.sandbox.recipe import parse_dockerfile
+from tmax_jax.sandbox.rootfs import is_known_base
+from tmax_jax.tasks import load_task
+from tmax_jax.tasks.runner import run_task
+
+pytestmark = pytest.mark.skipif(not bwrap_available(), reason="bwrap/nsenter not installed")
+
+OTHER_PY = f"3.{sys.version_info.minor + 2}"  # a Python the sandbox (the host's) does not provide
+
+
+def _toml(d: Path, extra: str) -> None:
+    (d / "task.toml").write_text((d / "task.toml").read_text() + extra)
+
+
+@pytest.fixture(scope="module")
+def task_set(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("docker_compat")
+    # A BuildKit heredoc RUN script and a heredoc COPY whose unquoted body expands a build ARG.
+    write_harbor_task(
+        root,
+        "heredoc",
+        "dockerfile",
+        "Write the greeting from /app/conf/settings.ini and the first line of /app/made.txt to /app/out.txt.",
+        """\
+        FROM ubuntu:24.04
+        ARG WHO=world
+        WORKDIR /app
+        RUN <<EOF
+        set -e
+        echo "made by heredoc for $WHO" > /app/made.txt
+        echo second >> /app/made.txt
+        EOF
+        COPY <<EOF /app/conf/settings.ini
+        [greeting]
+        text=hello ${WHO}
+        EOF
+        """,
+        '[ "$(cat /app/out.txt 2>/dev/null)" = "hello world|made by heredoc for world" ]',
+        {
+            "solve.sh": 'echo "$(sed -n s/^text=//p /app/conf/settings.ini)|$(head -1 /app/made.txt)" > /app/out.txt\n'
+        },
+    )
+    # ENV PATH=...:${PATH}: the next RUN must still find mkdir, and the agent finds the tool.
+    write_harbor_task(
+        root,
+        "env-path",
+        "dockerfile",
+        "Run the `stamp` tool and save its output in /app/stamp.txt.",
+        """\
+        FROM public.ecr.aws/docker/library/ubuntu:24.04
+        ENV PATH="/opt/tools/bin:${PATH}" TOOLS_HOME=$HOME/tools
+        RUN mkdir -p /opt/tools/bin && printf '#!/bin/sh\\necho stamped-$TOOLS_HOME\\n' > /opt/tools/bin/stamp \\
+            && chmod +x /opt/tools/bin/stamp
+        SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+        RUN echo "$PATH" > /opt/tools/path.txt
+        WORKDIR /app
+        """,
+        # $PATH is the base's, after whatever this backend puts first (the host Python's bin dir).
+        '[ "$(cat /app/stamp.txt 2>/dev/null)" = "stamped-/root/tools" ] && '
+        f'case "$(cat /opt/tools/path.txt)" in /opt/tools/bin:*{BASE_PATH}) true;; *) false;; esac',
+        {"solve.sh": "stamp > /app/stamp.txt\n"},
+    )
+    # USER for build steps: a RUN after USER nobody runs as nobody; the image ends as root.
+    write_harbor_task(
+        root,
+        "user-build",
+        "dockerfile",
+        "Write the owner name of /app/shared/owned to /app/owner.txt.",
+        """\
+        FROM ubuntu:24.04
+        RUN mkdir -p /app/shared && chmod 777 /app/shared
+        USER nobody
+        RUN id -u > /app/shared/built_by && touch /app/shared/owned
+        USER root
+        COPY --chown=nobody note.txt /app/shared/note.txt
+        WORKDIR /app
+        """,
+        '[ "$(cat /app/owner.txt 2>/dev/null)" = "nobody" ] && [ "$(cat /app/shared/built_by)" = 65534 ] '
+        '&& [ "$(stat -c %U /app/shared/note.txt)" = nobody ]',
+        {"solve.sh": "stat -c %U /app/shared/owned > /app/owner.txt\n"},
+    )
+    (root / "user-build" / "environment" / "note.txt").write_text("a note\n")
+    # A local archive ADD unpacks into the destination, as Docker's ADD does.
+    d = write_harbor_task(
+        root,
+        "add-archive",
+        "dockerfile",
+        "Sum the numbers in /app/data/nums/*.txt into /app/sum.txt.",
+        "FROM mirror.gcr.io/library/debian:12\nADD nums.tar.gz /app/data/\nWORKDIR /app\n",
+        '[ "$(cat /app/sum.txt 2>/dev/null)" = 10 ]',
+        {"solve.sh": "echo $(( $(cat /app/data/nums/*.txt | paste -sd+) )) > /app/sum.txt\n"},
+    )
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, body in (("nums/a.txt", b"3\n"), ("nums/b.txt", b"7\n")):
+            info = tarfile.TarInfo(name)
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+    (d / "environment" / "nums.tar.gz").write_bytes(buf.getvalue())
+    # task.toml env sections: the solution and the verifier get their own variables.
+    d = write_harbor_task(
+        root,
+        "env-sections",
+        "toml",
+        "Write the code you were given to /app/answer.txt.",
+        "FROM ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624\nWORKDIR /app\n",
+        '[ -n "$EXPECTED" ] && [ "$(cat /app/answer.txt 2>/dev/null)" = "$EXPECTED" ] && [ "$SOLUTION_CODE" = "" ]',
+        {"solve.sh": 'echo "$SOLUTION_CODE" > /app/answer.txt\n'},
+    )
+    _toml(d, '[verifier.env]\nEXPECTED = "c0de-42"\n[solution.env]\nSOLUTION_CODE = "c0de-42"\n')
+    # The verifier's own files under /logs/verifier are kept in the attempt dir.
+    d = write_harbor_task(
+        root,
+        "verifier-files",
+        "evidence",
+        "Create /app/done.",
+        "FROM ubuntu:24.04\nWORKDIR /app\n",
+        "[ -e /app/done ]",
+        {"solve.sh": "touch /app/done\n"},
+    )
+    test_sh = d / "tests" / "test.sh"
+    test_sh.write_text(
+        test_sh.read_text()
+        + 'echo \'{"results": {"summary": {"tests": 1}}}\' > /logs/verifier/ctrf.json\n'
+        + "ls -la /app > /logs/verifier/app-listing.log\n"
+    )
+    # Needs the network at test time: listed as unavailable, naming tests/test.sh's line.
+    d = write_harbor_task(
+        root,
+        "test-download",
+        "net",
+        "Create /app/done.",
+        "FROM ubuntu:24.04\nWORKDIR /app\n",
+        "[ -e /app/done ]",
+        {"solve.sh": "touch /app/done\n"},
+    )
+    test_sh = d / "tests" / "test.sh"
+    test_sh.write_text(
+        "#!/bin/bash\ncurl -s http://localhost:8000/health || true\n"
+        "curl -LsSf https://astral.sh/uv/0.7.13/install.sh | sh\n" + test_sh.read_text().split("\n", 1)[1]
+    )
+    # The image's last USER cannot be honoured for the agent here: unavailable, naming the USER.
+    write_harbor_task(
+        root,
+        "final-user",
+        "dockerfile",
+        "Create /app/done.",
+        "FROM ubuntu:24.04\nWORKDIR /app\nUSER nobody\n",
+        "[ -e /app/done ]",
+        {"solve.sh": "touch /app/done\n"},
+    )
+    # A malformed task dir (task.toml is not TOML): listed as invalid, the others run.
+    d = write_harbor_task(
+        root, "broken-toml", "dockerfile", "x", "FROM ubuntu:24.04\n", "true", {"solve.sh": "true\n"}
+    )
+    (d / "task.toml").write_text("[verifier\ntimeout_sec = 3\n")
+    return root
+
+
+SCORED = ("add-archive", "env-path", "env-sections", "heredoc", "user-build", "verifier-files")
+
+
+@pytest.fixture(scope="module")
+def runs(task_set, tmp_path_factory):
+    cfg = SandboxConfig(cache_dir=str(tmp_path_factory.mktemp("cache")))
+    out = tmp_path_factory.mktemp("runs")
+    quiet = lambda _m: None  # noqa: E731
+    oracle = evaluate(
+        task_set, OracleAgent(), out / "oracle", EvalConfig(concurrency=2), sandbox_cfg=cfg, log=quiet
+    )
+    noop = evaluate(
+        task_set, NoopAgent(), out / "noop", EvalConfig(concurrency=2), sandbox_cfg=cfg, log=quiet
+    )
+    return out, {r["task_id"]: r for r in oracle["tasks"]}, {r["task_id"]: r for r in noop["tasks"]}, oracle
+
+
+def test_docker_features_pass_with_solution_and_fail_without(runs):
+    _, oracle, noop, _ = runs
+    for name in SCORED:
+        assert oracle[name]["status"] == "evaluated", (name, oracle[name])
+        assert oracle[name]["passes"] == 1, (name, oracle[name])
+        assert noop[name]["status"] == "evaluated" and noop[name]["passes"] == 0, (name, noop[name])
+        assert noop[name]["mean_reward"] == 0.0
+
+
+def test_unrunnable_tasks_are_listed_not_scored(runs):
+    _, oracle, noop, summary = runs
+    for rows in (oracle, noop):
+        assert rows["test-download"]["status"] == "env_unavailable"
+        assert (
+            "tests/test.sh" in rows["test-download"]["reason"]
+            and "line 3 (curl)" in rows["test-download"]["reason"]
+        )
+        assert (
+            "line 2" not in rows["test-download"]["reason"]
+        )  # curl to the task's own service is not a download
+        assert rows["final-user"]["status"] == "env_unavailable"
+        assert "USER nobody" in rows["final-user"]["reason"]
+        assert (
+            rows["broken-toml"]["status"] == "invalid" and "not valid TOML" in rows["broken-toml"]["reason"]
+        )
+    o = summary["overall"]
+    assert (o["evaluated"], o["env_unavailable"], o["invalid"]) == (len(SCORED), 2, 1)
+    assert o["pass_at"]["1"] == 1.0  # over the evaluated tasks only
+    assert [r["task_id"] for r in summary["invalid"]] == ["broken-toml"]
+
+
+def test_attempt_dir_keeps_the_verifier_files(runs):
+    out, *_ = runs
+    vdir = out / "oracle" / "tasks" / "verifier-files" / "attempt-0" / "verifier"
+    assert sorted(p.name for p in vdir.iterdir()) == ["app-listing.log", "ctrf.json", "reward.txt"]
+    assert json.loads((vdir / "ctrf.json").read_text())["results"]["summary"]["tests"] == 1
+    assert (vdir / "reward.txt").read_text().strip() == "1"
+    assert "done" in (vdir / "app-listing.log").read_text()
+    noop_dir = out / "noop" / "tasks" / "verifier-files" / "attempt-0" / "verifier"
+    assert (noop_dir / "reward.txt").read_text().strip() == "0"
+
+
+def test_agent_env_reaches_the_agent_shell_only(task_set, tmp_path):
+    d = task_set / "env-sections"
+    (tmp_path / "t").mkdir()
+    t2 = tmp_path / "t" / "env-agent"
+    shutil.copytree(d, t2)
+    _toml(t2, '[agent.env]\nAGENT_HINT = "from-toml"\nRETRIES = 3\n')
+    task = load_task(t2)
+    assert task.agent_env == {"AGENT_HINT": "from-toml", "RETRIES": "3"}
+    assert task.verifier_env == {"EXPECTED": "c0de-42"} and task.solution_env == {"SOLUTION_CODE": "c0de-42"}
+    seen = {}
+
+    def agent(task, sh):
+        seen["env"] = sh.run('echo "$AGENT_HINT $RETRIES [$SOLUTION_CODE] [$EXPECTED]"').stdout.strip()
+
+    res = run_task(task, agent, SandboxConfig(cache_dir=str(tmp_path / "cache")))
+    assert seen["env"] == "from-toml 3 [] []"
+    assert res.reward == 0.0 and res.verifier_files["reward.txt"].strip() == b"0"
+    assert res.to_json()["verifier_files"] == ["reward.txt"]
+
+
+def test_bad_env_section_names_the_key(task_set, tmp_path):
+    t2 = tmp_path / "bad-env"
+    shutil.copytree(task_set / "heredoc", t2)
+    _toml(t2, '[verifier.env]\n"BAD-NAME" = "x"\n')
+    with pytest.raises(TaskFormatError, match="verifier.env: 'BAD-NAME'"):
+        load_task(t2)
+
+
+def test_python_tag_mismatch_is_noted_and_abi_builds_are_unavailable(tmp_path):
+    cfg = SandboxConfig(cache_dir=str(tmp_path / "cache"))
+    d = write_harbor_task(
+        tmp_path,
+        "py-note",
+        "python",
+        "Create /app/done.",
+        f"FROM python:{OTHER_PY}-slim\nWORKDIR /app\n",
+        "[ -e /app/done ]",
+        {"solve.sh": "touch /app/done\n"},
+    )
+    res = run_task(load_task(d), "oracle", cfg)
+    assert res.reward == 1.0 and f"asks for Python {OTHER_PY}" in res.reason
+    py = f"cp3{sys.version_info.minor + 2}"
+    d = write_harbor_task(
+        tmp_path,
+        "py-abi",
+        "python",
+        "Create /app/done.",
+        f"FROM python:{OTHER_PY}\nCOPY wheels/ /app/wheels/\n"
+        f"RUN pip install --no-index /app/wheels/tool-1.0-{py}-{py}-manylinux_2_17_x86_64.whl\n",
+        "[ -e /app/done ]",
+        {"solve.sh": "touch /app/done\n"},
+    )
+    (d / "environment" / "wheels").mkdir()
+    res = run_task(load_task(d), "oracle", cfg)
+    assert res.reward == 0.0 and res.reason.startswith("environment build failed")
+    assert f"Python {OTHER_PY}'s ABI ({py})" in res.reason and "(line 3)" in res.reason
+
+
+@pytest.mark.parametrize(
+    "image, known",
+    [
+        ("docker.io/library/python:3.12-slim", True),
+        ("public.ecr.aws/docker/library/debian:bookworm", True),
+        ("mirror.gcr.io/library/ubuntu:24.04", True),
+        ("ghcr.io/laude-institute/t-bench/python-3-13:20250620", True),
+        ("python@sha256:" + "a" * 64, True),
+        ("ghcr.io/someone/ubuntu:24.04", False),
+        ("localhost:5000/ubuntu", False),
+        ("nvidia/cuda:12.4.0-base-ubuntu22.04", False),
+    ],
+)
+def test_mirror_registries_map_like_docker_hub(image, known):
+    assert is_known_base(image) is known
+
+
+def test_env_path_expands_over_the_base_image_path(tmp_path):
+    p = tmp_path / "Dockerfile"
+    p.write_text('FROM ubuntu:24.04\nENV PATH="/opt/x:${PATH}" H=${HOME}/h U=${UNSET:-dflt}\n')
+    env = {s.args[0]: s.args[1] for s in parse_dockerfile(p).steps if s.kind == "env"}
+    assert env == {"PATH": f"/opt/x:{BASE_PATH}", "H": "/root/h", "U": "dflt"}
+
+
+@pytest.mark.parametrize(
+    "line, what",
+    [
+        ("curl -LsSf https://astral.sh/uv/install.sh | sh", "curl"),
+        ("wget -qO- https://example.com/x.tgz | tar xz", "wget"),
+        ("uvx -p 3.13 -w pytest==8.4.1 pytest /tests/test_outputs.py", "uvx"),
+        ("uv run --with pytest pytest -q", "uv"),
+        ("pip3.12 install pytest==8.3", "pip install"),
+        ("python3.11 -m pip install requests", "pip install"),
+        ("pip download numpy -d /tmp/w", "pip download"),
+        ("cargo build --release", "cargo"),
+        ("mvn -q package", "maven"),
+        ("./gradlew test", "gradle"),
+        ("dotnet restore", "dotnet restore"),
+        ("huggingface-cli download gpt2", "huggingface-cli"),
+        ("npx -y prettier --check .", "npm install"),
+        ("git clone https://github.com/a/b /src", "git clone"),
+        ("apt-get update && apt-get install -y curl", "apt-get"),
+    ],
+)
+def test_script_downloads_are_found(line, what):
+    assert script_fetches(f"#!/bin/bash\nset -e\n{line}\n") == [(3, what)]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "curl -fsS http://localhost:8000/health",
+        "curl -s http://127.0.0.1:5000/api && wget -qO- http://app:8080/",
+        "pip install --no-index --find-links /wheels mypkg",
+        "pip install --no-deps /app/dist/pkg-1.0-py3-none-any.whl",
+        "cargo build --offline --release",
+        "mvn -o package",
+        "git clone /srv/repo.git /tmp/r",
+        "# pip install numpy (a comment)",
+        "python3 -m pytest -q /tests/test_outputs.py",
+    ],
+)
+def test_offline_script_lines_are_not_flagged(line):
+    assert script_fetches(f"#!/bin/bash\n{line}\n") == []
+
+
+def test_solution_download_is_unavailable_offline(tmp_path):
+    d = write_harbor_task(
+        tmp_path, "sol-dl", "net", "x", "FROM ubuntu:24.04\n", "true", {"solve.sh": "pip install cowsay\n"}
+    )
+    res = check_environment(d)
+    assert not res.available and "solution/solve.sh" in res.reason and "line 3 (pip install)" in res.reason
+    assert check_environment(d, network=True).available
+    (t,) = find_eval_tasks(tmp_path)
+    assert not t.environment.available
