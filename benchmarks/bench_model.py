@@ -51,6 +51,19 @@ def best_of(fn, repeats: int) -> float:
     return min(times)
 
 
+def best_of_interleaved(fns, repeats: int) -> list[float]:
+    """Best time of each fn, their repeats taken in turn (fn1, fn2, fn1, fn2, ...)."""
+    for fn in fns:
+        fn()  # warm-up / compile
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, ts in zip(fns, times):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+    return [min(ts) for ts in times]
+
+
 def n_params(model) -> int:
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
@@ -123,8 +136,11 @@ def bench_delta_rule(seq: int, repeats: int, heads: int = 16, dk: int = 128, dv:
     inputs = [jnp.asarray(a) for a in (q, k, v, g, beta)]
     chunked = jax.jit(chunked_gated_delta_rule)
     recurrent = jax.jit(recurrent_gated_delta_rule)
-    c_s = best_of(lambda: chunked(*inputs)[0].block_until_ready(), repeats)
-    r_s = best_of(lambda: recurrent(*inputs)[0].block_until_ready(), repeats)
+    # Interleaved repeats: on a shared machine a burst of load then hits both forms alike.
+    c_s, r_s = best_of_interleaved(
+        [lambda: chunked(*inputs)[0].block_until_ready(), lambda: recurrent(*inputs)[0].block_until_ready()],
+        repeats,
+    )
     err = float(jnp.abs(chunked(*inputs)[0] - recurrent(*inputs)[0]).max())
     print(
         f"delta rule T={seq} H={heads} dk=dv={dk}: chunked {seq / c_s:9.0f} tok/s  recurrent {seq / r_s:9.0f} tok/s  "
