@@ -364,18 +364,21 @@ class PodmanSandbox(Sandbox):
         logs.mkdir()
         # Owned by the container's root (a mapped uid), so that the verifier may write both.
         _chown_tree(vdir, ID_BASE, ID_BASE)
-        watch = podman_toolchain.Watch(upper).start()
         try:
-            tampered = podman_toolchain.scan(upper, lowers)
-            if tampered:
-                return VerifierRun(ExecResult("", f"verifier not run: {tampered}\n", 1), {}, tampered)
-            result = self._run_verifier_container(vname, merged, tests, logs, argv, env, limit)
+            watch = podman_toolchain.Watch(upper).start()
+            try:
+                before = podman_toolchain.scan(upper, lowers)
+                result = (
+                    ExecResult("", f"verifier not run: {before}\n", 1)
+                    if before
+                    else self._run_verifier_container(vname, merged, tests, logs, argv, env, limit)
+                )
+            finally:
+                during = watch.stop()
+            tampered = before or during or podman_toolchain.scan(upper, lowers)
+            return VerifierRun(result, {} if before else _read_logs(logs), tampered)
         finally:
-            tampered = watch.stop()
-        tampered = tampered or podman_toolchain.scan(upper, lowers)
-        out = _read_logs(logs)
-        shutil.rmtree(vdir, ignore_errors=True)
-        return VerifierRun(result, out, tampered)
+            shutil.rmtree(vdir, ignore_errors=True)
 
     def _run_verifier_container(self, vname, merged, tests, logs, argv, env, limit) -> ExecResult:
         full_env = {**VERIFIER_ENV, **(env or {})}
