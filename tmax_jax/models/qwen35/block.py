@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from tmax_jax.models.qwen35.attention import GatedAttention
 from tmax_jax.models.qwen35.config import FULL, Qwen35Config
@@ -51,6 +52,34 @@ class DecoderLayer(nnx.Module):
         return x, new_cache
 
 
+def _checkpointed(layer: DecoderLayer, x, ctx):
+    """``layer(x)`` whose backward pass recomputes it from its input alone (a hand-made checkpoint).
+
+    jax.checkpoint per layer is not enough inside a period that is itself rematerialised: XLA may
+    schedule every layer's recompute up front and hold all their internals at once. Here the recompute
+    waits (optimization barrier) for the cotangent of the layer's output, so layers run their
+    backward one after another and only one layer's internals are ever live.
+    """
+    graphdef, state = nnx.split(layer)
+
+    def run(state, x, ctx):
+        return nnx.merge(graphdef, state)(checkpoint_name(x, "layer_input"), ctx, None)[0]
+
+    @jax.custom_vjp
+    def apply(state, x, ctx):
+        return run(state, x, ctx)
+
+    def fwd(state, x, ctx):
+        return run(state, x, ctx), (state, x, ctx)
+
+    def bwd(res, g):
+        res, g = jax.lax.optimization_barrier((res, g))
+        return jax.vjp(run, *res)[1](g)
+
+    apply.defvjp(fwd, bwd)
+    return apply(state, x, ctx)
+
+
 class PatternBlock(nnx.Module):
     """The layers of one pattern period; every parameter has a leading ``layers`` axis of num_groups."""
 
@@ -63,9 +92,17 @@ class PatternBlock(nnx.Module):
             ]
         )
 
-    def __call__(self, x, ctx, caches):
+    def __call__(self, x, ctx, caches, *, remat_layers: bool = False):
         """``caches``: (k, v, conv, recurrent) slices of one period (leading axis = layer within the
-        period, per kind) or None."""
+        period, per kind) or None.
+
+        ``remat_layers``: each layer is its own ``jax.checkpoint`` (nothing saved but its input, named
+        ``layer_input``), so a backward pass through the period holds one layer's internals at a time.
+        """
+        if remat_layers and caches is None:
+            for layer in self.layers:
+                x = _checkpointed(layer, x, ctx)
+            return x, None
         fi = li = 0
         new_k, new_v, new_conv, new_rec = [], [], [], []
         for kind, layer in zip(self.pattern, self.layers):

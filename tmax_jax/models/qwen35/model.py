@@ -125,10 +125,15 @@ class Qwen35ForCausalLM(nnx.Module):
 
         graphdef, block_state = nnx.split(self.blocks)
 
+        # "full": the period is one checkpoint and, inside it, every layer another; the backward pass
+        # keeps each period's input, and while it runs, one period's layer inputs and one layer's
+        # internals. "dots": one checkpoint per period keeping its matmul outputs.
+        remat_layers = self.remat == "full"
+
         def period(x, xs):
             state, caches = xs
             block = nnx.merge(graphdef, state)
-            return block(x, ctx, caches)
+            return block(x, ctx, caches, remat_layers=remat_layers)
 
         policy = _REMAT_POLICIES[self.remat]
         if self.remat != "none":
