@@ -182,6 +182,29 @@ def task_set(tmp_path_factory) -> Path:
         "[ -e /app/done ]",
         {"solve.sh": "touch /app/done\n"},
     )
+    # Multi-stage: COPY --from an earlier stage; that stage's other files and ENV stay out of the
+    # image, and a stage nothing refers to is not built (its RUN would fail).
+    write_harbor_task(
+        root,
+        "multi-stage",
+        "dockerfile",
+        "Copy the artifact's text from /app/dist/artifact.txt to /app/result.txt.",
+        """\
+        FROM ubuntu:24.04 AS builder
+        ENV BUILD_MODE=release
+        WORKDIR /srv/build
+        RUN mkdir -p out && echo "built-$BUILD_MODE" > out/artifact.txt && echo junk > /app/junk.txt
+        FROM ubuntu:24.04 AS unused
+        RUN exit 1
+        FROM docker.io/library/ubuntu:24.04
+        WORKDIR /app
+        COPY --from=builder /srv/build/out/ /app/dist/
+        COPY --from=0 /usr/bin/env /app/bin/env-from-base
+        """,
+        '[ "$(cat /app/result.txt 2>/dev/null)" = "built-release" ] && [ ! -e /app/junk.txt ] '
+        '&& [ ! -e /srv/build ] && [ -z "$BUILD_MODE" ] && [ -x /app/bin/env-from-base ]',
+        {"solve.sh": '[ -z "$BUILD_MODE" ] && cat /app/dist/artifact.txt > /app/result.txt\n'},
+    )
     # A malformed task dir (task.toml is not TOML): listed as invalid, the others run.
     d = write_harbor_task(
         root, "broken-toml", "dockerfile", "x", "FROM ubuntu:24.04\n", "true", {"solve.sh": "true\n"}
@@ -190,7 +213,7 @@ def task_set(tmp_path_factory) -> Path:
     return root
 
 
-SCORED = ("add-archive", "env-path", "env-sections", "heredoc", "user-build", "verifier-files")
+SCORED = ("add-archive", "env-path", "env-sections", "heredoc", "multi-stage", "user-build", "verifier-files")
 
 
 @pytest.fixture(scope="module")

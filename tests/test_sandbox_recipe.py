@@ -61,7 +61,8 @@ def test_parse_dockerfile_subset(tmp_path):
     [
         ("VOLUME /data", "VOLUME is not supported by the bwrap backend"),
         ("SHELL /bin/zsh", "SHELL needs the JSON form"),
-        ("FROM ubuntu:22.04", "multi-stage"),
+        ("FROM golang:1.22", "build stage base golang:1.22 has no local rootfs"),
+        ("COPY --from=ghcr.io/astral-sh/uv:0.7 /uv /bin/", "needs a registry"),
         ("USER", "USER needs one user"),
         ("RUN --mount=type=secret,id=k cat /run/secrets/k", "RUN flag --mount=type=secret"),
         ("ADD https://example.com/x.tgz /app/", "URL"),

@@ -203,12 +203,125 @@ def _write_file_step(dest: str, content: str, mode: str | None, lineno: int, sou
     return Step("run", (cmd,), lineno, source)
 
 
+STAGE_STASH = "/tmp/tmax-stage"
+
+
+class _Stages:
+    """Multi-stage builds on one rootfs: an earlier stage's steps run first, isolated (its ENV and
+    WORKDIR inlined into its own RUN steps, never the image's), then what it wrote into the writable
+    paths is moved aside under ``STAGE_STASH/<n>`` and the paths emptied, so the next stage starts
+    from the bare base, as Docker's does; ``COPY --from=<stage>`` copies out of the stash (a path
+    the stage never wrote is the base's own, the same rootfs). Stages nothing refers to are skipped,
+    as BuildKit skips them."""
+
+    def __init__(self, text_instructions: list[Instruction], writable: tuple[str, ...]):
+        self.writable = writable
+        self.names: dict[str, int] = {}  # stage name or index -> stage number
+        self.referenced: set[str] = set()
+        self.copied: dict[str, list[str]] = {}  # stage name -> the absolute paths copied out of it
+        for ins in text_instructions:
+            for m in re.finditer(r"--from=(\S+)", ins.rest if ins.name in ("COPY", "ADD") else ""):
+                ref = m.group(1).lower()
+                self.referenced.add(ref)
+                try:
+                    words = [w for w in _json_or_words(ins.rest) if not w.startswith("--")]
+                except ValueError:
+                    continue
+                self.copied.setdefault(ref, []).extend(
+                    posixpath.normpath(posixpath.join("/", w)) for w in words[:-1]
+                )
+            if ins.name == "FROM":
+                words = [w for w in ins.rest.split() if not w.startswith("--")]
+                if words:
+                    self.referenced.add(words[0].lower())
+        self.count = 0
+        self.current_names: list[str] = []
+
+    def stash(self, n: int) -> str:
+        return f"{STAGE_STASH}/{n}"
+
+    def needed(self) -> bool:
+        return any(name in self.referenced for name in self.current_names)
+
+    def isolate(self, steps: list[Step], n: int) -> list[Step]:
+        """The finished stage ``n``'s steps, rewritten to leave nothing in the image."""
+        out: list[Step] = []
+        env: dict[str, str] = {}
+        wd = "/"
+        for st in steps:
+            if st.kind == "env":
+                env[st.args[0]] = st.args[1]
+            elif st.kind == "workdir":
+                wd = posixpath.normpath(posixpath.join(wd, st.args[0]))
+                out.append(Step("run", (f"mkdir -p {shlex.quote(wd)}",), st.line, st.source))
+            elif st.kind == "copy":
+                dest = st.args[-1]
+                full = posixpath.join(wd, dest) + ("/" if dest.endswith("/") and dest != "/" else "")
+                out.append(Step("copy", (*st.args[:-1], full), st.line, st.source))
+            else:
+                exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in env.items())
+                cmd = f"cd {shlex.quote(wd)} || exit 1; {exports}{st.args[0]}"
+                out.append(Step(st.kind, (cmd, *st.args[1:]), st.line, st.source))
+        # Only what a later COPY --from takes is kept; the writable paths are then emptied of what
+        # this stage wrote. -xdev and the ignored errors leave read-only mounts inside them (the host
+        # Python under /root) alone.
+        srcs = sorted({src for name in self.current_names for src in self.copied.get(name, ())})
+        keep = " ".join(shlex.quote(x) for x in srcs)
+        stash = shlex.quote(self.stash(n))
+        dirs = " ".join(shlex.quote(w) for w in self.writable)
+        out.append(
+            Step(
+                "run",
+                (
+                    f'mkdir -p {stash} || exit 1; for s in {keep}; do if [ -e "$s" ] || [ -L "$s" ]; then '
+                    f'mkdir -p "$(dirname {stash}"$s")" && cp -a "$s" {stash}"$s" || exit 1; fi; done; '
+                    f'for w in {dirs}; do [ -d "$w" ] && find "$w" -xdev -mindepth 1 -delete 2>/dev/null; done; true',
+                ),
+                steps[-1].line if steps else 0,
+                f"end of build stage {n}",
+            )
+        )
+        return out
+
+    def copy_from(self, ref: str, srcs: list[str], dest: str, where: str) -> tuple[str, list[str]]:
+        """The shell line for ``COPY --from=ref srcs dest``, and the paths it writes."""
+        n = self.names.get(ref.lower())
+        if n is None:
+            raise TaskFormatError(
+                f"{where}: COPY --from={ref}: copying from another image needs a registry; the bwrap "
+                "backend can copy only from an earlier build stage"
+            )
+        if n == self.count:
+            raise TaskFormatError(f"{where}: COPY --from={ref} names the stage it is in")
+        into_dir = dest.endswith("/") or len(srcs) > 1
+        lines, targets = [], []
+        qd = shlex.quote(dest)
+        for s in srcs:
+            if any(c in s for c in "*?["):
+                raise TaskFormatError(f"{where}: COPY --from={ref} {s}: wildcards are not supported here")
+            src = posixpath.normpath(posixpath.join("/", s))
+            # A directory's contents go into dest (Docker copies the contents, not the directory).
+            target = posixpath.join(dest, posixpath.basename(src)) if into_dir else dest
+            qs, qt = shlex.quote(self.stash(n) + src), shlex.quote(target)
+            lines.append(
+                f's={qs}; [ -e "$s" ] || [ -L "$s" ] || s={shlex.quote(src)}; '
+                f'if [ -d "$s" ] && [ ! -L "$s" ]; then mkdir -p {qd} && cp -a "$s/." {qd}/; '
+                f'else mkdir -p "$(dirname {qt})" && cp -a "$s" {qt}; fi'
+            )
+            targets.append(target)
+        return " && ".join(f"{{ {ln}; }}" for ln in lines), targets
+
+
 def parse_dockerfile(
-    path: Path, build_args: dict[str, str] | None = None, base_env: Mapping[str, str] | None = None
+    path: Path,
+    build_args: dict[str, str] | None = None,
+    base_env: Mapping[str, str] | None = None,
+    writable: tuple[str, ...] | None = None,
 ) -> Recipe:
     """Parse the Dockerfile subset. Raises TaskFormatError naming the file, line and instruction.
 
     base_env: the base image's environment that ``$VAR`` expands over (default PATH and HOME).
+    writable: the backend's writable paths, which an earlier build stage's output is moved out of.
     """
     path = Path(path)
     if not path.is_file():
@@ -223,20 +336,58 @@ def parse_dockerfile(
     env: dict[str, str] = dict(base_env or DEFAULT_BASE_ENV)
     stage = _Stage()
     n_written = 0
-    for ins in instructions(text, path):
+    parsed = instructions(text, path)
+    if writable is None:
+        from tmax_jax.sandbox.config import DEFAULT_WRITABLE
+
+        writable = DEFAULT_WRITABLE
+    stages = _Stages(parsed, tuple(writable))
+    done_steps: list[Step] = []  # earlier stages' steps, isolated
+    for ins in parsed:
         inst, rest, lineno, line = ins.name, ins.rest, ins.line, ins.source
         where = f"{path}:{lineno}"
         # Expansion sees the stage's ARGs and ENVs (ENV wins, as in Docker).
         scope = {**stage.args, **env}
         if inst == "FROM":
-            if recipe.base:
-                raise TaskFormatError(
-                    f"{where}: multi-stage builds (a second FROM) are not supported by the bwrap backend; use --backend podman"
-                )
             words = [w for w in rest.split() if not w.startswith("--")]
             if not words:
                 raise TaskFormatError(f"{where}: FROM needs an image name")
-            recipe.base = _subst(words[0], global_args)
+            image = _subst(words[0], global_args)
+            alias = words[2].lower() if len(words) >= 3 and words[1].lower() == "as" else None
+            if recipe.base and image.lower() in stages.current_names:
+                # FROM <the stage just finished>: the same filesystem and variables carry on.
+                if alias:
+                    stages.current_names.append(alias)
+                    stages.names[alias] = stages.count
+                continue
+            if recipe.base:
+                if image.lower() in stages.names:
+                    raise TaskFormatError(
+                        f"{where}: FROM {image} (an earlier, not the previous, build stage) is not supported "
+                        "by the bwrap backend"
+                    )
+                if stages.needed():
+                    done_steps += stages.isolate(recipe.steps, stages.count)
+                stages.count += 1
+                recipe.steps = []
+                env = dict(base_env or DEFAULT_BASE_ENV)
+                stage = _Stage()
+                recipe.user = "root"
+            from tmax_jax.sandbox.rootfs import is_known_base
+
+            if stages.count and recipe.base and not is_known_base(image) and not Path(image).is_dir():
+                raise TaskFormatError(
+                    f"{where}: build stage base {image} has no local rootfs for the bwrap backend"
+                )
+            if recipe.base and is_known_base(image) != is_known_base(recipe.base):
+                raise TaskFormatError(
+                    f"{where}: build stages on different bases ({recipe.base}, {image}) are not supported "
+                    "by the bwrap backend"
+                )
+            recipe.base = image
+            stages.current_names = [str(stages.count)] + ([alias] if alias else [])
+            for name in stages.current_names:
+                stages.names[name] = stages.count
         elif inst == "ARG":
             for k, v in _parse_args(rest, where).items():
                 value = build_args.get(k, _subst(v, scope) if v is not None else None)
@@ -277,7 +428,7 @@ def parse_dockerfile(
                 cmd = stage.run_line(rest)
             recipe.steps.append(Step("run", (cmd,), lineno, line))
         elif inst in ("COPY", "ADD"):
-            n_written = _copy(recipe, ins, inst, rest, scope, stage, where, n_written)
+            n_written = _copy(recipe, ins, inst, rest, scope, stage, where, n_written, stages)
         elif inst == "WORKDIR":
             recipe.steps.append(Step("workdir", (_subst(rest, scope),), lineno, line))
         elif inst == "ENV":
@@ -310,24 +461,27 @@ def parse_dockerfile(
             raise TaskFormatError(f"{where}: unknown Dockerfile instruction {inst!r}")
     if not recipe.base:
         raise TaskFormatError(f"{path}: no FROM instruction")
+    recipe.steps = done_steps + recipe.steps
     return recipe
 
 
-def _copy(recipe: Recipe, ins: Instruction, inst: str, rest: str, scope, stage, where, n_written) -> int:
+def _copy(
+    recipe: Recipe, ins: Instruction, inst: str, rest: str, scope, stage, where, n_written, stages: _Stages
+) -> int:
     lineno, line = ins.line, ins.source
     words = _json_or_words(rest)
     flags = [w for w in words if w.startswith("--")]
     words = [w for w in words if not w.startswith("--")]
-    chown = chmod = None
+    chown = chmod = from_stage = None
     for f in flags:
         if f.startswith("--chown="):
             chown = _subst(f.split("=", 1)[1], scope)
         elif f.startswith("--chmod="):
             chmod = f.split("=", 1)[1]
+        elif f.startswith("--from=") and inst == "COPY":
+            from_stage = _subst(f.split("=", 1)[1], scope)
         elif f.startswith("--from"):
-            raise TaskFormatError(
-                f"{where}: {inst} {f} (from another image or build stage) is not supported by the bwrap backend"
-            )
+            raise TaskFormatError(f"{where}: {inst} {f} is not supported by the bwrap backend")
         elif f.startswith("--link") or f == "--parents=false":
             continue  # layer linking changes how an image is stored, not what is in it
         else:
@@ -335,6 +489,15 @@ def _copy(recipe: Recipe, ins: Instruction, inst: str, rest: str, scope, stage, 
     if len(words) < 2:
         raise TaskFormatError(f"{where}: {inst} needs at least a source and a destination")
     srcs, dest = [_subst(w, scope) for w in words[:-1]], _subst(words[-1], scope)
+    if from_stage is not None:
+        cmd, targets = stages.copy_from(from_stage, srcs, dest, where)
+        recipe.steps.append(Step("run", (cmd,), lineno, line))
+        fix = [f"chown -R {shlex.quote(chown)}"] if chown else []
+        fix += [f"chmod -R {shlex.quote(chmod)}"] if chmod else []
+        if fix:
+            paths = " ".join(shlex.quote(t) for t in dict.fromkeys(targets))
+            recipe.steps.append(Step("run", (" && ".join(f"{c} {paths}" for c in fix),), lineno, line))
+        return n_written
     docs = {delim: (quoted, body) for delim, quoted, body in ins.heredocs}
     into_dir = dest.endswith("/") or len(srcs) > 1
     targets = []

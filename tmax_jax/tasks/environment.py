@@ -18,14 +18,17 @@ SETUP_DIR = "/tmp/tmax-setup"
 _PYTHON_TAG = re.compile(r"(?:^|/)python(?::|-)(\d+)(?:[.-](\d+))?(?=$|[-.:@])")
 
 
-def task_recipe(task: Task, base_env: Mapping[str, str] | None = None) -> Recipe:
+def task_recipe(
+    task: Task, base_env: Mapping[str, str] | None = None, writable: tuple[str, ...] | None = None
+) -> Recipe:
     """The task's environment as build steps (Dockerfile subset / container.def + setup.sh).
 
-    base_env: what ``$PATH``/``$HOME`` of the base image are on the chosen backend.
+    base_env: what ``$PATH``/``$HOME`` of the base image are on the chosen backend; writable: its
+    writable paths (where an earlier build stage's output is cleared from).
     """
     env = task.environment
     if env.kind == "dockerfile":
-        recipe = parse_dockerfile(env.path, base_env=base_env)
+        recipe = parse_dockerfile(env.path, base_env=base_env, writable=writable)
     elif env.kind == "apptainer_def":
         recipe = parse_apptainer_def(env.path)
     elif env.kind == "image":
@@ -97,7 +100,8 @@ def _bwrap_base_env(cfg: SandboxConfig) -> dict[str, str]:
 
 def prepare_image(task: Task, cfg: SandboxConfig, log=None):
     """The backend's image for ``task``: BwrapImage (cached layer), podman tag, or .sif path."""
-    recipe = task_recipe(task, _bwrap_base_env(cfg) if cfg.backend == "bwrap" else None)
+    bwrap = cfg.backend == "bwrap"
+    recipe = task_recipe(task, _bwrap_base_env(cfg) if bwrap else None, cfg.writable_paths if bwrap else None)
     python_mismatch(recipe)  # raises when the build needs the other Python's ABI
     timeout = task.limits.build_timeout_s
     if cfg.backend == "bwrap":
