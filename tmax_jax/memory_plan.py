@@ -4,8 +4,9 @@ Nothing is allocated, so a laptop can tell whether Qwen 3.5 9B at 64K tokens fit
 8x H200 host before either is rented. Parameters, gradients and AdamW moments are exact for the given
 mesh and rules. Activations come from ``saved_residuals`` of the real train loss traced at the
 per-device micro-batch: *resident* is what the backward pass keeps for the whole model (with the
-configured remat), *transient* is one layer-pattern period's internals recomputed during backward
-plus the float32 LM-head chunk buffers. Tensor-parallel splits of activations are not divided out,
+configured remat), *transient* is what one rematerialised piece holds while its backward runs (with
+``remat="full"``: a period's layer inputs plus the largest single layer's internals; otherwise one
+layer-pattern period's internals) plus the float32 LM-head chunk buffers. Tensor-parallel splits of activations are not divided out,
 so activations are an upper bound when ``mesh.tensor`` > 1.
 """
 
@@ -141,14 +142,23 @@ def make_plan(cfg: TrainConfig) -> MemoryPlan:
     data_shards = mesh_shape["data"] * mesh_shape["fsdp"]
     local_rows = max(cfg.rows_per_step // data_shards // cfg.rl.train_step.micro_batches, 1)
     resident, largest = _activation_bytes(model_cfg, cfg, local_rows, dtype, param_dtype)
-    if cfg.rl.train_step.remat != "none":
-        one_period = dataclasses.replace(
-            model_cfg, num_hidden_layers=len(model_cfg.layer_pattern), layer_types=model_cfg.layer_pattern
-        )
-        no_remat = dataclasses.replace(
-            cfg,
-            rl=dataclasses.replace(cfg.rl, train_step=dataclasses.replace(cfg.rl.train_step, remat="none")),
-        )
+    remat = cfg.rl.train_step.remat
+    no_remat = dataclasses.replace(
+        cfg, rl=dataclasses.replace(cfg.rl, train_step=dataclasses.replace(cfg.rl.train_step, remat="none"))
+    )
+    pattern = model_cfg.layer_pattern
+    if remat == "full":
+        # A period's backward holds its layers' inputs and one layer's internals at a time (each
+        # layer is its own checkpoint, block.py); the largest layer kind sets the transient.
+        transient, largest_t = 0, (0, "")
+        for kind in sorted(set(pattern)):
+            one_layer = dataclasses.replace(model_cfg, num_hidden_layers=1, layer_types=(kind,))
+            n, big = _activation_bytes(one_layer, no_remat, local_rows, dtype, param_dtype)
+            transient, largest_t = max(transient, n), max(largest_t, big)
+        transient += len(pattern) * local_rows * cfg.seq_len * model_cfg.hidden_size * dtype.itemsize
+        largest = max(largest, largest_t)
+    elif remat != "none":
+        one_period = dataclasses.replace(model_cfg, num_hidden_layers=len(pattern), layer_types=pattern)
         transient, largest_t = _activation_bytes(one_period, no_remat, local_rows, dtype, param_dtype)
         largest = max(largest, largest_t)
     else:
