@@ -284,13 +284,14 @@ PRECISIONS = ("highest", "high")
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """Static launch choices: ``backend`` picks the launcher (``tpu``/``gpu``), ``interpret`` runs it in
-    Pallas interpret mode (any host, slow: for tests), ``block_v`` splits the value dimension,
+    Pallas interpret mode (any host, slow: for tests; ``pallas_call``'s own values, e.g. the TPU
+    interpreter's ``pltpu.InterpretParams``, pass through), ``block_v`` splits the value dimension,
     ``precision`` sets the kernels' float32 matmuls (``_precision``)."""
 
     chunk_size: int
     block_v: int
     backend: str
-    interpret: bool
+    interpret: object
     precision: str = "highest"
 
 
@@ -299,7 +300,7 @@ def _precision(launch: Launch):
     uses no tensor cores). ``high``: on GPU, TF32x3 on tensor cores (~float32 from three passes), for
     speed; Mosaic offers nothing between bf16 and fp32, so on TPU it is ``highest``. Interpret mode
     (CPU) is exact float32 either way: ``high`` is checked there for its plumbing, not its numerics."""
-    if launch.precision == "high" and launch.backend == "gpu" and not launch.interpret:
+    if launch.precision == "high" and launch.backend == "gpu" and launch.interpret is False:
         return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
     return lax.Precision.HIGHEST
 
