@@ -67,8 +67,13 @@ def task_set(tmp_path_factory) -> Path:
         [greeting]
         text=hello ${WHO}
         EOF
+        RUN <<EOF
+        #!/usr/bin/env python3
+        open("/app/py.txt", "w").write("from a python heredoc\\n")
+        EOF
         """,
-        '[ "$(cat /app/out.txt 2>/dev/null)" = "hello world|made by heredoc for world" ]',
+        '[ "$(cat /app/out.txt 2>/dev/null)" = "hello world|made by heredoc for world" ] '
+        '&& [ "$(cat /app/py.txt)" = "from a python heredoc" ]',
         {
             "solve.sh": 'echo "$(sed -n s/^text=//p /app/conf/settings.ini)|$(head -1 /app/made.txt)" > /app/out.txt\n'
         },

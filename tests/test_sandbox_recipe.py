@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import textwrap
 from pathlib import Path
 
@@ -131,3 +132,48 @@ def test_layer_errors_name_the_problem(tmp_path):
     unknown = _df(tmp_path, "FROM ghcr.io/acme/private:1\nRUN true\n")
     with pytest.raises(SandboxError, match="no local rootfs"):
         build_layer(cfg, parse_dockerfile(unknown))
+
+
+def test_heredocs_and_variables_parse_as_buildkit_does(tmp_path):
+    p = _df(
+        tmp_path,
+        """\
+        FROM ubuntu:24.04
+        ARG NAME=tmax
+        RUN <<-EOF
+        \techo "tab-stripped $NAME"
+        \tEOF
+        COPY <<'RAW' <<COOKED /app/conf/
+        literal ${NAME}
+        RAW
+        expanded ${NAME}
+        COOKED
+        RUN python3 - <<'PY'
+        print("stdin script")
+        PY
+        ENV P="/opt/x:${PATH}" Q=${NAME:+set} R=\\$NAME S='$NAME'
+        SHELL ["/bin/sh", "-e", "-c"]
+        RUN echo after shell
+        """,
+    )
+    r = parse_dockerfile(p)
+    runs = [s.args[0] for s in r.steps if s.kind == "run"]
+    assert runs[0] == 'export NAME=tmax; echo "tab-stripped $NAME"\n'  # ARGs reach RUN steps
+    blobs = [base64.b64decode(cmd.split("printf %s ")[1].split()[0]).decode() for cmd in runs[1:3]]
+    assert blobs == ["literal ${NAME}\n", "expanded tmax\n"]
+    assert "/app/conf/RAW" in runs[1] and "/app/conf/COOKED" in runs[2]
+    assert runs[3] == "export NAME=tmax; python3 - <<'PY'\nprint(\"stdin script\")\nPY"
+    env = {s.args[0]: s.args[1] for s in r.steps if s.kind == "env"}
+    assert env == {
+        "P": "/opt/x:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "Q": "set",
+        "R": "$NAME",
+        "S": "$NAME",
+    }
+    assert runs[4] == "export NAME=tmax; exec /bin/sh -e -c 'echo after shell'"
+
+
+def test_unclosed_heredoc_names_the_line(tmp_path):
+    p = _df(tmp_path, "FROM ubuntu:24.04\nRUN <<EOF\necho never closed\n")
+    with pytest.raises(TaskFormatError, match=r":2: heredoc <<EOF of RUN has no closing EOF"):
+        parse_dockerfile(p)

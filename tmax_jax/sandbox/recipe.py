@@ -432,8 +432,8 @@ def parse_dockerfile(
         elif inst == "WORKDIR":
             recipe.steps.append(Step("workdir", (_subst(rest, scope),), lineno, line))
         elif inst == "ENV":
-            for k, v in _parse_env(rest, where).items():
-                env[k] = _subst(v, {**stage.args, **env})
+            for k, v in _parse_env(_protect_literal_dollars(rest), where).items():
+                env[k] = _subst(v, {**stage.args, **env}).replace(_LITERAL_DOLLAR, "$")
                 stage.args.pop(k, None)  # an ENV of the same name hides the ARG
                 if k == "HOME":
                     stage.explicit_home = True
@@ -548,6 +548,26 @@ def _copy(
         paths = " ".join(shlex.quote(t) for t in dict.fromkeys(targets))
         recipe.steps.append(Step("run", (" && ".join(f"{c} {paths}" for c in fix),), lineno, line))
     return n_written
+
+
+_LITERAL_DOLLAR = "\x00"
+
+
+def _protect_literal_dollars(rest: str) -> str:
+    """``\\$`` and a ``$`` inside single quotes are not expanded by Docker: mark them before the
+    quotes are removed."""
+    out, quote, i = [], None, 0
+    while i < len(rest):
+        c = rest[i]
+        if quote is None and c == "\\" and rest[i + 1 : i + 2] == "$":
+            out.append(_LITERAL_DOLLAR)
+            i += 2
+            continue
+        if c in "'\"" and quote in (None, c):
+            quote = None if quote == c else c
+        out.append(_LITERAL_DOLLAR if c == "$" and quote == "'" else c)
+        i += 1
+    return "".join(out)
 
 
 def _parse_args(rest: str, where: str) -> dict[str, str | None]:
