@@ -114,10 +114,6 @@ class BwrapSandbox(Sandbox):
         }
 
     # ---- ownership -------------------------------------------------------------------------------
-    def _host_id(self, inner: int) -> int:
-        """The host uid/gid that ``inner`` (a uid/gid inside the sandbox) is stored as."""
-        return SUBID_BASE + inner if self.is_root else (os.geteuid() if inner == 0 else inner)
-
     def _give_to_sandbox(self, path: Path) -> None:
         """Make host-created files under ``path`` belong to the sandbox's root (ids shifted into U)."""
         if not self.is_root:
@@ -205,7 +201,6 @@ class BwrapSandbox(Sandbox):
         return tuple(out)
 
     def _start_holder(self) -> None:
-        cfg = self.cfg
         userns_holder = None
         if self.is_root:
             # Host root may write any id map: give the sandbox a range of unprivileged host ids.
@@ -217,11 +212,19 @@ class BwrapSandbox(Sandbox):
                 stderr=subprocess.PIPE,
                 start_new_session=True,
             )
-            enter = self._join_userns(userns_holder)
-            userns_args: list[str] = []
-        else:
-            enter = []
-            userns_args = ["--unshare-user", "--uid", "0", "--gid", "0"]
+        try:
+            if userns_holder is not None:
+                self._spawn_holder(self._join_userns(userns_holder), [])
+            else:
+                self._spawn_holder([], ["--unshare-user", "--uid", "0", "--gid", "0"])
+        finally:
+            if userns_holder is not None:  # the holder's namespaces keep U alive from here on
+                kill_tree(userns_holder.pid)
+                userns_holder.wait()
+                userns_holder.stderr.close()
+
+    def _spawn_holder(self, enter: list[str], userns_args: list[str]) -> None:
+        """Start pid 1 of the sandbox (``bwrap`` holding its namespaces) and wait until it is up."""
         args = [
             "bwrap",
             *userns_args,
@@ -230,7 +233,7 @@ class BwrapSandbox(Sandbox):
             "--unshare-uts",
             "--unshare-cgroup-try",
         ]
-        if not cfg.network:
+        if not self.cfg.network:
             args.append("--unshare-net")
         args += ["--die-with-parent", "--new-session", "--hostname", "tmax-sandbox"]
         args += [*self._base_args, "--proc", "/proc", "--dev", "/dev", *self._late_args]
@@ -241,37 +244,31 @@ class BwrapSandbox(Sandbox):
         os.close(w_low)
         # The info fd is written before the mounts are done; the "ready" line comes after them.
         args += ["--info-fd", str(w_fd), "--", "/bin/sh", "-c", "echo tmax-ready; exec sleep infinity"]
-        try:
-            # A clean environment: pid 1's /proc/1/environ is readable inside and must hold nothing.
-            self.init = subprocess.Popen(
-                self._host_prefix(self.cg) + enter + args,
-                env={"PATH": BASE_PATH},
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                pass_fds=(w_fd,),
-                start_new_session=True,
-            )
-        finally:
-            os.close(w_fd)
-        try:
-            with os.fdopen(r_fd, "rb") as f:
-                info = f.read()  # bwrap closes the fd once the sandbox is set up (or on failure)
+        with os.fdopen(r_fd, "rb") as info_pipe:
             try:
-                self.child_pid = int(json.loads(info)["child-pid"])
-            except (ValueError, KeyError) as e:
-                err = self.init.stderr.read().decode(errors="replace") if self.init.poll() is not None else ""
-                raise SandboxError(f"bwrap failed to start: {err.strip() or info!r}") from e
-            ready = self.init.stdout.readline()
-            self.init.stdout.close()
-            if ready.strip() != b"tmax-ready":
-                err = self.init.stderr.read().decode(errors="replace") if self.init.poll() is not None else ""
-                raise SandboxError(f"bwrap sandbox did not come up: {err.strip() or ready!r}")
-        finally:
-            if userns_holder is not None:  # the holder's namespaces keep U alive from here on
-                kill_tree(userns_holder.pid)
-                userns_holder.wait()
-                userns_holder.stderr.close()
+                # A clean environment: pid 1's /proc/1/environ is readable inside and must hold nothing.
+                self.init = subprocess.Popen(
+                    self._host_prefix(self.cg) + enter + args,
+                    env={"PATH": BASE_PATH},
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    pass_fds=(w_fd,),
+                    start_new_session=True,
+                )
+            finally:
+                os.close(w_fd)
+            info = info_pipe.read()  # bwrap closes the fd once the sandbox is set up (or on failure)
+        try:
+            self.child_pid = int(json.loads(info)["child-pid"])
+        except (ValueError, KeyError) as e:
+            err = self.init.stderr.read().decode(errors="replace") if self.init.poll() is not None else ""
+            raise SandboxError(f"bwrap failed to start: {err.strip() or info!r}") from e
+        ready = self.init.stdout.readline()
+        self.init.stdout.close()
+        if ready.strip() != b"tmax-ready":
+            err = self.init.stderr.read().decode(errors="replace") if self.init.poll() is not None else ""
+            raise SandboxError(f"bwrap sandbox did not come up: {err.strip() or ready!r}")
 
     def _join_userns(self, holder: subprocess.Popen) -> list[str]:
         """Write the id maps of ``holder``'s new user namespace; the argv prefix that enters it as root."""
