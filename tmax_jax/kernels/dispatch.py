@@ -5,6 +5,10 @@
   for tests).
 - ``auto``: the kernels on TPU and GPU, the pure-JAX path on CPU.
 
+The kernels have so far been checked in interpret mode and through Pallas's lowering only, never on a
+chip (``benchmarks/device_check.sh`` is that check): until it passes on a device, ``kernels: jax``
+is the known-good choice there.
+
 The backend is read when the call is traced (``jax.default_backend()``), like the JAX path's matmul
 precision.
 
