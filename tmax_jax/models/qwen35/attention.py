@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from tmax_jax.models.qwen35.config import Qwen35Config
 from tmax_jax.models.qwen35.flash_attention import MASKED, flash_attention
@@ -45,11 +48,40 @@ def splash_attention(q_BxTxGxRxE, k_BxTxGxE, v_BxTxGxE, seg_BxT, *, interpret: b
     # The kernel does not scale the scores; query head h = g * R + r reads kv head h // R, as ours.
     q_BxHxTxE = (q_BxTxGxRxE * E**-0.5).reshape(B, T, H, E).transpose(0, 2, 1, 3)
     k_BxGxTxE, v_BxGxTxE = k_BxTxGxE.transpose(0, 2, 1, 3), v_BxTxGxE.transpose(0, 2, 1, 3)
-    segs = sk.SegmentIds(q=seg_BxT, kv=seg_BxT)
-    out_BxHxTxE = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=s))(
-        q_BxHxTxE, k_BxGxTxE, v_BxGxTxE, segs
-    )
+
+    def run(q, k, v, seg):
+        segs = sk.SegmentIds(q=seg, kv=seg)
+        return jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=s))(q, k, v, segs)
+
+    rows, heads = _splash_mesh_axes(B, G)
+    if rows or heads:
+        # XLA cannot partition a custom call: without shard_map it would gather every row and head
+        # onto each device. Rows and kv heads (with their query heads) are independent.
+        bhte = P(rows or None, heads, None, None)
+        run = jax.shard_map(
+            run, in_specs=(bhte, bhte, bhte, P(rows or None, None)), out_specs=bhte, check_vma=False
+        )
+    out_BxHxTxE = run(q_BxHxTxE, k_BxGxTxE, v_BxGxTxE, seg_BxT)
     return out_BxHxTxE.transpose(0, 2, 1, 3).reshape(B, T, G, R, E)
+
+
+def _splash_mesh_axes(batch: int, kv_heads: int) -> tuple[tuple[str, ...], str | None]:
+    """Mesh axes (of ``jax.set_mesh``'s mesh) splitting rows and heads; one that does not divide its
+    dimension is left out."""
+    from tmax_jax.sharding import BATCH_AXES, DEFAULT_RULES
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return (), None
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    rows = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+    if batch % math.prod(sizes[a] for a in rows):
+        rows = ()
+    rules = dict(DEFAULT_RULES)
+    heads = rules.get("kv_heads")
+    if heads != rules.get("q_heads") or sizes.get(heads, 1) <= 1 or kv_heads % sizes[heads]:
+        heads = None
+    return rows, heads
 
 
 def masked_attention(
