@@ -15,8 +15,11 @@ def register(subparsers) -> None:
         help="evaluate an agent on a directory of Harbor tasks (pass@1, pass@k, HTML report)",
         description=(
             "Run every Harbor-format task under --tasks k times with the chosen agent in the sandbox pool. "
-            "Finished attempts recorded in OUT/results.jsonl are not re-run; tasks whose Dockerfile "
-            "fetches from the internet are reported as 'environment unavailable'."
+            "Finished attempts recorded in OUT/results.jsonl are not re-run; tasks whose Dockerfile, "
+            "tests/test.sh or solution/solve.sh fetch from the internet (offline runs), or that use a "
+            "Dockerfile instruction the backend cannot honour, are reported as 'environment unavailable' "
+            "with the line; malformed task dirs as 'invalid'. Neither is scored. Each attempt dir keeps the "
+            "agent's commands and every file the verifier wrote under /logs/verifier."
         ),
     )
     p.add_argument(
@@ -42,7 +45,8 @@ def register(subparsers) -> None:
     p.add_argument(
         "--network",
         action="store_true",
-        help="environment builds can reach the internet (otherwise fetching Dockerfiles are skipped)",
+        help="builds (and tasks that allow it, their agent and tests) can reach the internet; otherwise "
+        "tasks that download are listed as unavailable",
     )
     p.add_argument(
         "--retry-errors", action="store_true", help="re-run attempts that crashed in an earlier run"
