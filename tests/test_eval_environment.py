@@ -33,6 +33,11 @@ ENV PATH=/app/bin:$PATH
         ("RUN go install example.com/tool@latest", "go get"),
         ('RUN ["/bin/sh", "-c", "pip3 install flask"]', "pip install"),
         ("ADD https://example.com/data.tar.gz /data/", "ADD from a URL"),
+        ("RUN <<EOF\nset -e\npip3 install numpy\nEOF", "pip install"),  # a BuildKit heredoc's body
+        ("COPY --from=ghcr.io/astral-sh/uv:0.7 /uv /bin/", "COPY --from an image in a registry"),
+        ("RUN cargo build --release", "cargo"),
+        ("RUN dotnet restore", "dotnet restore"),
+        ("RUN pip3.12 download -d /w numpy", "pip download"),
     ],
 )
 def test_fetching_steps_are_found(step, what):
