@@ -46,6 +46,8 @@ class RolloutStats:
             "episode_failures": sum(self.failures.values()),
             "generated_tokens": self.generated_tokens,
         }
+        # Why episodes failed, one metric per reason (metrics.jsonl keeps what a step saw).
+        out.update({f"episode_failures/{reason}": n for reason, n in sorted(self.failures.items())})
         self.episodes, self.generated_tokens = 0, 0
         self.failures = Counter()
         return out
