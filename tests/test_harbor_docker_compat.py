@@ -73,7 +73,7 @@ def task_set(tmp_path_factory) -> Path:
         EOF
         """,
         '[ "$(cat /app/out.txt 2>/dev/null)" = "hello world|made by heredoc for world" ] '
-        '&& [ "$(cat /app/py.txt)" = "from a python heredoc" ]',
+        '&& [ "$(cat /app/py.txt)" = "from a python heredoc" ] && ! ls /tmp/tmax-heredoc-* 2>/dev/null',
         {
             "solve.sh": 'echo "$(sed -n s/^text=//p /app/conf/settings.ini)|$(head -1 /app/made.txt)" > /app/out.txt\n'
         },
@@ -199,6 +199,7 @@ def task_set(tmp_path_factory) -> Path:
         ENV BUILD_MODE=release
         WORKDIR /srv/build
         RUN mkdir -p out && echo "built-$BUILD_MODE" > out/artifact.txt && echo junk > /app/junk.txt
+        RUN mkdir -p /src /var/log && echo junk > /src/junk.txt && echo junk > /var/log/stage.log
         FROM ubuntu:24.04 AS unused
         RUN exit 1
         FROM docker.io/library/ubuntu:24.04
@@ -207,7 +208,8 @@ def task_set(tmp_path_factory) -> Path:
         COPY --from=0 /usr/bin/env /app/bin/env-from-base
         """,
         '[ "$(cat /app/result.txt 2>/dev/null)" = "built-release" ] && [ ! -e /app/junk.txt ] '
-        '&& [ ! -e /srv/build ] && [ -z "$BUILD_MODE" ] && [ -x /app/bin/env-from-base ]',
+        "&& [ ! -e /srv/build ] && [ ! -e /src/junk.txt ] && [ ! -e /var/log/stage.log ] "
+        '&& [ ! -e /tmp/tmax-stage ] && [ -z "$BUILD_MODE" ] && [ -x /app/bin/env-from-base ]',
         {"solve.sh": '[ -z "$BUILD_MODE" ] && cat /app/dist/artifact.txt > /app/result.txt\n'},
     )
     # A malformed task dir (task.toml is not TOML): listed as invalid, the others run.

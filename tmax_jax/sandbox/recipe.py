@@ -206,16 +206,22 @@ def _write_file_step(dest: str, content: str, mode: str | None, lineno: int, sou
 STAGE_STASH = "/tmp/tmax-stage"
 
 
+# Top-level paths a build stage's cleanup never touches: the kernel's, the stash's, the sandbox's own.
+_STAGE_KEEP = ("/proc", "/dev", "/sys", "/tmp", "/.tmax")
+DEFAULT_READ_ONLY = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+
+
 class _Stages:
     """Multi-stage builds on one rootfs: an earlier stage's steps run first, isolated (its ENV and
-    WORKDIR inlined into its own RUN steps, never the image's), then what it wrote into the writable
-    paths is moved aside under ``STAGE_STASH/<n>`` and the paths emptied, so the next stage starts
-    from the bare base, as Docker's does; ``COPY --from=<stage>`` copies out of the stash (a path
-    the stage never wrote is the base's own, the same rootfs). Stages nothing refers to are skipped,
-    as BuildKit skips them."""
+    WORKDIR inlined into its own RUN steps, never the image's), then what a later ``COPY --from``
+    takes is moved aside under ``STAGE_STASH/<n>`` and everything else the stage wrote (anywhere
+    outside the read-only base) is removed, so the next stage starts from the bare base, as Docker's
+    does; ``COPY --from=<stage>`` copies out of the stash (a path the stage never wrote is the base's
+    own, the same rootfs). Stages nothing refers to are skipped, as BuildKit skips them."""
 
-    def __init__(self, text_instructions: list[Instruction], writable: tuple[str, ...]):
-        self.writable = writable
+    def __init__(self, text_instructions: list[Instruction], read_only: tuple[str, ...]):
+        self.keep_top = tuple(sorted({*_STAGE_KEEP, *(p for p in read_only if p.count("/") == 1)}))
+        self.used = False
         self.names: dict[str, int] = {}  # stage name or index -> stage number
         self.referenced: set[str] = set()
         self.copied: dict[str, list[str]] = {}  # stage name -> the absolute paths copied out of it
@@ -262,20 +268,25 @@ class _Stages:
                 exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in env.items())
                 cmd = f"cd {shlex.quote(wd)} || exit 1; {exports}{st.args[0]}"
                 out.append(Step(st.kind, (cmd, *st.args[1:]), st.line, st.source))
-        # Only what a later COPY --from takes is kept; the writable paths are then emptied of what
-        # this stage wrote. -xdev and the ignored errors leave read-only mounts inside them (the host
-        # Python under /root) alone.
+        # Only what a later COPY --from takes is kept; everything else the stage wrote is removed.
+        # Top-level dirs stay (a sandbox starts with some); -xdev and the ignored errors leave
+        # read-only mounts inside the root (the host Python under /root) alone.
+        self.used = True
         srcs = sorted({src for name in self.current_names for src in self.copied.get(name, ())})
         keep = " ".join(shlex.quote(x) for x in srcs)
         stash = shlex.quote(self.stash(n))
-        dirs = " ".join(shlex.quote(w) for w in self.writable)
+        skip = "|".join(shlex.quote(x) for x in self.keep_top)
         out.append(
             Step(
                 "run",
                 (
                     f'mkdir -p {stash} || exit 1; for s in {keep}; do if [ -e "$s" ] || [ -L "$s" ]; then '
                     f'mkdir -p "$(dirname {stash}"$s")" && cp -a "$s" {stash}"$s" || exit 1; fi; done; '
-                    f'for w in {dirs}; do [ -d "$w" ] && find "$w" -xdev -mindepth 1 -delete 2>/dev/null; done; true',
+                    f'for e in /* /.[!.]*; do case "$e" in {skip}) continue;; esac; '
+                    f'if [ -d "$e" ] && [ ! -L "$e" ]; then find "$e" -xdev -mindepth 1 -delete 2>/dev/null; '
+                    f'else rm -f "$e"; fi; done; '
+                    f"find /tmp -xdev -mindepth 1 -maxdepth 1 ! -name {shlex.quote(posixpath.basename(STAGE_STASH))} "
+                    "-exec rm -rf {} + 2>/dev/null; true",
                 ),
                 steps[-1].line if steps else 0,
                 f"end of build stage {n}",
@@ -316,12 +327,13 @@ def parse_dockerfile(
     path: Path,
     build_args: dict[str, str] | None = None,
     base_env: Mapping[str, str] | None = None,
-    writable: tuple[str, ...] | None = None,
+    read_only: tuple[str, ...] | None = None,
 ) -> Recipe:
     """Parse the Dockerfile subset. Raises TaskFormatError naming the file, line and instruction.
 
     base_env: the base image's environment that ``$VAR`` expands over (default PATH and HOME).
-    writable: the backend's writable paths, which an earlier build stage's output is moved out of.
+    read_only: where the backend's read-only base is mounted (an earlier build stage's output is
+    removed from everywhere else).
     """
     path = Path(path)
     if not path.is_file():
@@ -337,11 +349,7 @@ def parse_dockerfile(
     stage = _Stage()
     n_written = 0
     parsed = instructions(text, path)
-    if writable is None:
-        from tmax_jax.sandbox.config import DEFAULT_WRITABLE
-
-        writable = DEFAULT_WRITABLE
-    stages = _Stages(parsed, tuple(writable))
+    stages = _Stages(parsed, tuple(read_only if read_only is not None else DEFAULT_READ_ONLY))
     done_steps: list[Step] = []  # earlier stages' steps, isolated
     for ins in parsed:
         inst, rest, lineno, line = ins.name, ins.rest, ins.line, ins.source
@@ -462,6 +470,11 @@ def parse_dockerfile(
     if not recipe.base:
         raise TaskFormatError(f"{path}: no FROM instruction")
     recipe.steps = done_steps + recipe.steps
+    if stages.used or n_written:
+        # Scratch files of the replay (stashed stages, heredoc scripts) are not part of the image.
+        recipe.steps.append(
+            Step("run", (f"rm -rf {STAGE_STASH} /tmp/tmax-heredoc-* /tmp/tmax-add-*",), 0, "end of build")
+        )
     return recipe
 
 

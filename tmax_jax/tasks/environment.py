@@ -19,16 +19,16 @@ _PYTHON_TAG = re.compile(r"(?:^|/)python(?::|-)(\d+)(?:[.-](\d+))?(?=$|[-.:@])")
 
 
 def task_recipe(
-    task: Task, base_env: Mapping[str, str] | None = None, writable: tuple[str, ...] | None = None
+    task: Task, base_env: Mapping[str, str] | None = None, read_only: tuple[str, ...] | None = None
 ) -> Recipe:
     """The task's environment as build steps (Dockerfile subset / container.def + setup.sh).
 
-    base_env: what ``$PATH``/``$HOME`` of the base image are on the chosen backend; writable: its
-    writable paths (where an earlier build stage's output is cleared from).
+    base_env: what ``$PATH``/``$HOME`` of the base image are on the chosen backend; read_only: where
+    its read-only base is mounted (an earlier build stage's output is cleared from everywhere else).
     """
     env = task.environment
     if env.kind == "dockerfile":
-        recipe = parse_dockerfile(env.path, base_env=base_env, writable=writable)
+        recipe = parse_dockerfile(env.path, base_env=base_env, read_only=read_only)
     elif env.kind == "apptainer_def":
         recipe = parse_apptainer_def(env.path)
     elif env.kind == "image":
@@ -87,21 +87,22 @@ def environment_notes(task: Task) -> list[str]:
     return [note] if note else []
 
 
-def _bwrap_base_env(cfg: SandboxConfig) -> dict[str, str]:
-    """``$PATH`` as a bwrap sandbox has it: the rootfs's own entries (the host Python) first."""
+def _bwrap_base(cfg: SandboxConfig) -> tuple[dict[str, str], tuple[str, ...] | None]:
+    """``$PATH`` as a bwrap sandbox has it (the rootfs's own entries, the host Python, first) and
+    where its read-only base is mounted."""
     from tmax_jax.sandbox import rootfs
 
     try:
         rfs = rootfs.resolve(cfg.rootfs, cfg.writable_paths)
     except Exception:  # noqa: BLE001 - a bad rootfs is reported by the build itself
-        return {"PATH": BASE_PATH, "HOME": "/root"}
-    return {"PATH": ":".join([*rfs.path_prefix, BASE_PATH]), "HOME": "/root"}
+        return {"PATH": BASE_PATH, "HOME": "/root"}, None
+    return {"PATH": ":".join([*rfs.path_prefix, BASE_PATH]), "HOME": "/root"}, rfs.read_only
 
 
 def prepare_image(task: Task, cfg: SandboxConfig, log=None):
     """The backend's image for ``task``: BwrapImage (cached layer), podman tag, or .sif path."""
-    bwrap = cfg.backend == "bwrap"
-    recipe = task_recipe(task, _bwrap_base_env(cfg) if bwrap else None, cfg.writable_paths if bwrap else None)
+    base_env, read_only = _bwrap_base(cfg) if cfg.backend == "bwrap" else (None, None)
+    recipe = task_recipe(task, base_env, read_only)
     python_mismatch(recipe)  # raises when the build needs the other Python's ABI
     timeout = task.limits.build_timeout_s
     if cfg.backend == "bwrap":
