@@ -8,6 +8,7 @@ import json
 import os
 import shlex
 import shutil
+import stat
 import tarfile
 import tempfile
 import threading
@@ -61,6 +62,25 @@ def exec_result(got, cap: int) -> ExecResult:
     if got.truncated:
         err += TRUNCATION_MARKER.format(cap=cap)
     return ExecResult(out, err, got.exit_code, got.timed_out, got.truncated, got.duration_s)
+
+
+def read_verifier_logs(d: Path, max_bytes: int = 4 << 20, max_files: int = 64) -> dict[str, bytes]:
+    """The regular files directly in a verifier's logs dir ``d``, name -> bytes (each cut at
+    ``max_bytes``). Links, fifos and devices a verifier may have made there are skipped, never followed."""
+    out: dict[str, bytes] = {}
+    try:
+        names = sorted(os.listdir(d))[:max_files]
+    except OSError:
+        return out
+    for name in names:
+        try:
+            fd = os.open(Path(d) / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        with os.fdopen(fd, "rb") as f:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                out[name] = f.read(max_bytes)
+    return out
 
 
 @dataclass

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from tmax_jax.errors import SandboxError
 from tmax_jax.sandbox import cgroup, rootfs, seccomp
-from tmax_jax.sandbox.base import BASE_PATH, Sandbox, VerifierRun, exec_result
+from tmax_jax.sandbox.base import BASE_PATH, Sandbox, VerifierRun, exec_result, read_verifier_logs
 from tmax_jax.sandbox.config import SandboxConfig
 from tmax_jax.sandbox.procs import kill_tree, pid_alive, run_capped
 
@@ -55,8 +55,6 @@ _VERIFIER_OWN = frozenset({"proc", "dev", "sys", "tests", "logs"})
 # that root of the user namespace could not reach, such as a Python under /root) live under here,
 # in a directory only host root and the sandbox's root may enter.
 STAGE_ROOT = Path("/run/tmax-jax")
-MAX_LOG_FILES = 32
-MAX_LOG_BYTES = 1 << 20
 # Joins the cgroup, opens the seccomp program (fd 3) and a pid namespace (fd 4), then execs the rest.
 _PREFIX = (
     'exec 3<"$1" 4<"$2" || exit 125; shift 2; n=$1; shift; '
@@ -426,7 +424,9 @@ class BwrapSandbox(Sandbox):
                 host_argv, timeout=timeout, cap=self.cfg.max_output_bytes, env={"PATH": BASE_PATH}
             )
             self.exec_durations.append(got.duration_s)
-            return VerifierRun(exec_result(got, self.cfg.max_output_bytes), _read_logs(logs / "verifier"))
+            return VerifierRun(
+                exec_result(got, self.cfg.max_output_bytes), read_verifier_logs(logs / "verifier")
+            )
         finally:
             if cg is not None:
                 cg.kill_all()
@@ -561,27 +561,6 @@ def _reachable_by_others(path: str) -> bool:
         except OSError:
             return False
     return True
-
-
-def _read_logs(d: Path) -> dict[str, bytes]:
-    """The regular files directly in ``d`` (never following links), each cut at ``MAX_LOG_BYTES``."""
-    out: dict[str, bytes] = {}
-    try:
-        names = sorted(os.listdir(d))[:MAX_LOG_FILES]
-    except OSError:
-        return out
-    for name in names:
-        try:
-            fd = os.open(d / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            continue
-        try:
-            if not os.path.stat.S_ISREG(os.fstat(fd).st_mode):
-                continue
-            out[name] = os.read(fd, MAX_LOG_BYTES)
-        finally:
-            os.close(fd)
-    return out
 
 
 def _host_pid_of(root: int, ns_pid: int | None) -> int | None:

@@ -49,7 +49,6 @@ import math
 import os
 import shutil
 import signal
-import stat
 import subprocess
 import tempfile
 import uuid
@@ -58,7 +57,7 @@ from pathlib import Path
 
 from tmax_jax.errors import SandboxError
 from tmax_jax.sandbox import podman_toolchain, seccomp
-from tmax_jax.sandbox.base import VERIFIER_ENV, Sandbox, VerifierRun, exec_result
+from tmax_jax.sandbox.base import VERIFIER_ENV, Sandbox, VerifierRun, exec_result, read_verifier_logs
 from tmax_jax.sandbox.config import ExecResult, SandboxConfig
 from tmax_jax.sandbox.podman_images import PodmanImage, ensure_base_image
 from tmax_jax.sandbox.procs import kill_tree, run_capped
@@ -197,26 +196,6 @@ def _chown_tree(root: Path, uid: int, gid: int) -> None:
     for dirpath, dirnames, filenames in os.walk(root):
         for n in dirnames + filenames:
             os.lchown(os.path.join(dirpath, n), uid, gid)
-
-
-def _read_logs(logs: Path) -> dict[str, bytes]:
-    """The regular files the verifier left (links, fifos and devices it may have made are skipped)."""
-    out: dict[str, bytes] = {}
-    try:
-        names = sorted(os.listdir(logs))
-    except OSError:
-        return out
-    for name in names:
-        p = logs / name
-        try:
-            if not stat.S_ISREG(os.lstat(p).st_mode):
-                continue
-            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            continue
-        with os.fdopen(fd, "rb") as f:
-            out[name] = f.read(VERIFY_LOG_CAP)
-    return out
 
 
 class PodmanSandbox(Sandbox):
@@ -376,7 +355,7 @@ class PodmanSandbox(Sandbox):
             finally:
                 during = watch.stop()
             tampered = before or during or podman_toolchain.scan(upper, lowers)
-            return VerifierRun(result, {} if before else _read_logs(logs), tampered)
+            return VerifierRun(result, {} if before else read_verifier_logs(logs, VERIFY_LOG_CAP), tampered)
         finally:
             shutil.rmtree(vdir, ignore_errors=True)
 
