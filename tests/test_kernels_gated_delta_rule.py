@@ -285,14 +285,14 @@ def test_under_a_mesh_each_device_runs_its_rows_and_heads():
 
 def test_config_kernels_field():
     cfg = Qwen35Config.preset("tiny")
-    assert cfg.kernels == "auto"
+    assert cfg.kernels == "jax"  # until the kernels are checked on a chip
     assert Qwen35Config.preset("tiny", kernels="pallas").kernels == "pallas"
     with pytest.raises(ConfigError, match="kernels='cuda'"):
         Qwen35Config.preset("tiny", kernels="cuda")
     hf = dataclasses.replace(cfg, kernels="jax").to_hf_config()
     assert "kernels" not in hf  # a runtime choice, not a checkpoint field
     assert Qwen35Config.from_hf_config(hf) == cfg  # back to the default
-    assert Qwen35Config.from_hf_config({**hf, "kernels": "pallas"}).kernels == "auto"
+    assert Qwen35Config.from_hf_config({**hf, "kernels": "pallas"}).kernels == "jax"
 
 
 def test_tiny_model_with_pallas_kernels_matches_jax_path():

@@ -46,7 +46,9 @@ class Qwen35Config:
     initializer_range: float = 0.02
     chunk_size: int = 64
     # Runtime choice, not an HF field: the delta rule's implementation (tmax_jax.kernels.dispatch).
-    kernels: str = "auto"
+    # "jax" by default: "auto" picks the Pallas kernels on TPU/GPU, which have passed interpret-mode
+    # and lowering checks only; make "auto" the default once benchmarks/device_check.sh passes on chips.
+    kernels: str = "jax"
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
