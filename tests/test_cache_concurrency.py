@@ -122,7 +122,7 @@ def test_rootfs_built_by_two_processes_at_once_is_one_complete_tree(raced_rootfs
     root = Path(a["root"])
     _assert_complete_rootfs(root, a["id"])
     assert read_manifest(root)["id"][:16] == a["id"]
-    leftovers = [p.name for p in root.parent.iterdir() if p.name.startswith(".host-minimal.tmp-")]
+    leftovers = [p.name for p in root.parent.iterdir() if p.name.startswith(f".{root.name}.tmp-")]
     assert leftovers == []
 
 

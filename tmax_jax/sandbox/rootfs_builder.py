@@ -1,13 +1,14 @@
 """Assemble a small Debian-compatible rootfs from the host's own binaries (no network needed).
 
 Used as the Podman base image (``podman import``) and as a self-contained bwrap rootfs. It holds a
-shell, coreutils-style tools, Python 3 with pytest, and the shared libraries they load (from
-``ldd``). ``sandboxes/build_rootfs.py`` is the CLI; it can also run debootstrap when a Debian mirror
+shell, coreutils-style tools, Python 3 with pytest (with its distributions' metadata and console
+scripts such as ``/usr/local/bin/pytest``), and the shared libraries they load (from ``ldd``). ``sandboxes/build_rootfs.py`` is the CLI; it can also run debootstrap when a Debian mirror
 is reachable.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -21,7 +22,8 @@ from tmax_jax.errors import SandboxError
 
 ID_FILE = ".tmax-rootfs-id"
 # Bump when what the builder writes changes, so caches of the old layout are rebuilt.
-ROOTFS_FORMAT = 2
+# 3: distributions' metadata (*.dist-info / *.egg-info) and console scripts in /usr/local/bin.
+ROOTFS_FORMAT = 3
 STDLIB_PROBE = "import importlib, json, encodings, email, sqlite3, ssl, pytest"
 
 TOOLS = (
@@ -67,6 +69,61 @@ def _usr_path(p: Path) -> Path:
         if s.startswith(top):
             return Path("/usr" + s)
     return p
+
+
+def _top_levels(dist: importlib.metadata.Distribution) -> set[str]:
+    """The importable top-level names a distribution installs."""
+    listed = dist.read_text("top_level.txt")
+    if listed:
+        return {n.strip() for n in listed.split() if n.strip()}
+    names = set()
+    for f in dist.files or ():
+        top = f.parts[0]
+        if top in ("..", "__pycache__") or top.endswith((".dist-info", ".egg-info", ".data")):
+            continue
+        names.add(top.removesuffix(".py") if len(f.parts) == 1 else top)
+    return names
+
+
+def _console_script(python: str, name: str, value: str) -> str:
+    """A launcher for the entry point ``module:attr[.attr...] [extras]``, run by the rootfs's own
+    Python (the host's scripts name the host's interpreter in their shebang)."""
+    mod, _, attr = value.split("[", 1)[0].strip().partition(":")
+    ident = r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*"
+    if not re.fullmatch(ident, mod) or not re.fullmatch(ident, attr) or not re.fullmatch(r"[\w.+-]+", name):
+        raise SandboxError(f"console script {name!r}: entry point {value!r} is not module:attribute")
+    return (
+        f"#!{python}\n"
+        "import sys\n"
+        f"from {mod} import {attr.split('.')[0]}\n"
+        "if __name__ == '__main__':\n"
+        f"    sys.argv[0] = {name!r}\n"
+        f"    sys.exit({attr}())\n"
+    )
+
+
+def _copy_distributions(copied: dict[Path, set[str]], site: Path, bin_dir: Path, python: str) -> None:
+    """Copy the metadata of every distribution that installed one of the ``copied`` top-level
+    names (so ``importlib.metadata`` and pytest's plugin loading find them) and write its console
+    scripts into ``bin_dir``."""
+    scripts: dict[str, str] = {}
+    for host_site in sorted(copied):
+        metas = sorted([*host_site.glob("*.dist-info"), *host_site.glob("*.egg-info")])
+        for meta in metas:
+            dist = importlib.metadata.Distribution.at(meta)
+            if not _top_levels(dist) & copied[host_site]:
+                continue
+            if meta.is_dir():
+                shutil.copytree(meta, site / meta.name, ignore=shutil.ignore_patterns("__pycache__"))
+            else:  # a single-file PKG-INFO style .egg-info
+                shutil.copy2(meta, site / meta.name)
+            for ep in dist.entry_points:
+                if ep.group == "console_scripts" and ep.name not in scripts:
+                    scripts[ep.name] = _console_script(python, ep.name, ep.value)
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in sorted(scripts.items()):
+        (bin_dir / name).write_text(text)
+        os.chmod(bin_dir / name, 0o755)  # explicit: the manifest records modes, and umasks differ
 
 
 def _write_host_rootfs(tmp: Path, python: str) -> None:
@@ -127,6 +184,7 @@ def _write_host_rootfs(tmp: Path, python: str) -> None:
     elfs.extend((stdlib / "lib-dynload").glob("*.so"))
     site = tmp / "usr/lib/python3/dist-packages"
     site.mkdir(parents=True, exist_ok=True)
+    copied: dict[Path, set[str]] = {}  # host site dir -> top-level names copied from it
     for mod in PURE_PY:
         spec = importlib.util.find_spec(mod)
         if spec is None or spec.origin is None:
@@ -136,6 +194,8 @@ def _write_host_rootfs(tmp: Path, python: str) -> None:
             shutil.copytree(src, site / src.name, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(src, site / src.name)
+        copied.setdefault(src.parent, set()).add(mod)
+    _copy_distributions(copied, site, tmp / "usr/local/bin", f"/usr/bin/{py.name}")
     # Read-only at run time, so compile now: pytest imports ~2x faster with .pyc files present.
     subprocess.run(
         # -s/-p: the .pyc files name their sources by the paths they have inside the rootfs, not
@@ -260,7 +320,9 @@ def cached_host_rootfs(cache_dir: str | Path, python: str = "/usr/bin/python3") 
     podman image and of the apptainer .sif. Built once across processes (under a lock, into a
     temporary dir renamed into place); checked against its manifest on every call and rebuilt when
     damaged or unfinished."""
-    rootfs_dir = Path(cache_dir) / "rootfs" / "host-minimal"
+    # The format is in the name, so processes running builders of two versions (an upgrade while
+    # evals run) each keep their own tree instead of rebuilding the other's under its readers.
+    rootfs_dir = Path(cache_dir) / "rootfs" / f"host-minimal-f{ROOTFS_FORMAT}"
     doc, _ = publish_tree(
         rootfs_dir,
         lambda tmp: _write_host_rootfs(tmp, python),
