@@ -39,6 +39,7 @@ from tmax_jax.tasks.runner import run_task
 pytestmark = pytest.mark.skipif(not bwrap_available(), reason="bwrap/nsenter not installed")
 
 OTHER_PY = f"3.{sys.version_info.minor + 2}"  # a Python the sandbox (the host's) does not provide
+HOST_PY = f"3.{sys.version_info.minor}"
 
 
 def _toml(d: Path, extra: str) -> None:
@@ -54,8 +55,8 @@ def task_set(tmp_path_factory) -> Path:
         "heredoc",
         "dockerfile",
         "Write the greeting from /app/conf/settings.ini and the first line of /app/made.txt to /app/out.txt.",
-        """\
-        FROM ubuntu:24.04
+        f"""\
+        FROM python:{HOST_PY}-slim
         ARG WHO=world
         WORKDIR /app
         RUN <<EOF
@@ -65,7 +66,7 @@ def task_set(tmp_path_factory) -> Path:
         EOF
         COPY <<EOF /app/conf/settings.ini
         [greeting]
-        text=hello ${WHO}
+        text=hello ${{WHO}}
         EOF
         RUN <<EOF
         #!/usr/bin/env python3
@@ -86,7 +87,7 @@ def task_set(tmp_path_factory) -> Path:
         "Run the `stamp` tool and save its output in /app/stamp.txt.",
         """\
         FROM public.ecr.aws/docker/library/ubuntu:24.04
-        ENV PATH="/opt/tools/bin:${PATH}" TOOLS_HOME=$HOME/tools
+        ENV PATH="/opt/tools/bin:${PATH}" TOOLS_HOME=/opt/tools
         RUN mkdir -p /opt/tools/bin && printf '#!/bin/sh\\necho stamped-$TOOLS_HOME\\n' > /opt/tools/bin/stamp \\
             && chmod +x /opt/tools/bin/stamp
         SHELL ["/bin/bash", "-o", "pipefail", "-c"]
@@ -94,7 +95,7 @@ def task_set(tmp_path_factory) -> Path:
         WORKDIR /app
         """,
         # $PATH is the base's, after whatever this backend puts first (the host Python's bin dir).
-        '[ "$(cat /app/stamp.txt 2>/dev/null)" = "stamped-/root/tools" ] && '
+        '[ "$(cat /app/stamp.txt 2>/dev/null)" = "stamped-/opt/tools" ] && '
         f'case "$(cat /opt/tools/path.txt)" in /opt/tools/bin:*{BASE_PATH}) true;; *) false;; esac',
         {"solve.sh": "stamp > /app/stamp.txt\n"},
     )
@@ -183,7 +184,7 @@ def task_set(tmp_path_factory) -> Path:
         "final-user",
         "dockerfile",
         "Create /app/done.",
-        "FROM ubuntu:24.04\nWORKDIR /app\nUSER nobody\n",
+        "FROM ubuntu:24.04\nRUN mkdir -p /app && chmod 777 /app\nWORKDIR /app\nUSER nobody\n",
         "[ -e /app/done ]",
         {"solve.sh": "touch /app/done\n"},
     )
@@ -198,7 +199,7 @@ def task_set(tmp_path_factory) -> Path:
         FROM ubuntu:24.04 AS builder
         ENV BUILD_MODE=release
         WORKDIR /srv/build
-        RUN mkdir -p out && echo "built-$BUILD_MODE" > out/artifact.txt && echo junk > /app/junk.txt
+        RUN mkdir -p out && echo "built-$BUILD_MODE" > out/artifact.txt && mkdir -p /app && echo junk > /app/junk.txt
         RUN mkdir -p /src /var/log && echo junk > /src/junk.txt && echo junk > /var/log/stage.log
         FROM ubuntu:24.04 AS unused
         RUN exit 1
@@ -254,9 +255,8 @@ def test_unrunnable_tasks_are_listed_not_scored(runs):
             "tests/test.sh" in rows["test-download"]["reason"]
             and "line 3 (curl)" in rows["test-download"]["reason"]
         )
-        assert (
-            "line 2" not in rows["test-download"]["reason"]
-        )  # curl to the task's own service is not a download
+        # curl to the task's own service (line 2) is not a download
+        assert "line 2" not in rows["test-download"]["reason"]
         assert rows["final-user"]["status"] == "env_unavailable"
         assert "USER nobody" in rows["final-user"]["reason"]
         assert (
