@@ -290,3 +290,13 @@ def test_bad_shapes_are_rejected_with_the_name_of_the_input():
         chunked_gated_delta_rule(q, k, v, g, beta, None, np.zeros((1, 19), np.int32))
     with pytest.raises(ValueError, match="chunk_size"):
         chunked_gated_delta_rule(q, k, v, g, beta, chunk_size=0)
+
+
+@pytest.mark.parametrize("n", [1, 5, 16, 50, 64])
+def test_blocked_unit_lower_inverse_matches_numpy(n):
+    from tmax_jax.models.qwen35.delta_rule import _unit_lower_inverse
+
+    # Sizes through the Neumann base case, the halving path and odd splits.
+    lower = np.tril(np.random.default_rng(n).normal(size=(3, n, n)) * 0.3, -1)
+    got = jax.jit(_unit_lower_inverse)(jnp.asarray(lower, jnp.float32))
+    np.testing.assert_allclose(got, np.linalg.inv(np.eye(n) + lower), atol=1e-5, rtol=1e-5)
