@@ -56,9 +56,11 @@ ATTACKS = {
     # 1. Host writes and mount tricks.
     "remount_and_write_host": """
         mount -o remount,bind,rw /usr; mount -o remount,bind,rw /etc; mount -o remount,rw /
+        # Only the canaries are written: if a promise broke, nothing else of the host gets damaged.
         for f in /etc/tmax-canary-* /usr/lib/tmax-canary-*; do echo pwned > "$f"; done
-        echo pwned > /etc/passwd; echo pwned >> /etc/shadow; cat /etc/shadow > /app/shadow
-        echo 1 > /proc/sys/kernel/core_pattern; echo 1 > /proc/sys/vm/drop_caches
+        cat /etc/shadow >> /app/leak.txt
+        # A global sysctl written with its own value: harmless, and a success is a leak.
+        if echo "$(cat /proc/sys/vm/swappiness)" > /proc/sys/vm/swappiness; then echo sysctl >> /app/leak.txt; fi
         mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt
     """,
     "bind_fake_interpreter": f"""
@@ -146,7 +148,7 @@ EOF
     """,
 }
 # Tasks whose verifier also fails when the attack leaves a trace of success behind.
-LEAK_MARK = {"leak_env_keyring_ptrace", "fill_shm_and_run"}
+LEAK_MARK = {"leak_env_keyring_ptrace", "fill_shm_and_run", "remount_and_write_host"}
 
 
 def _write_task(root: Path, name: str, solve: str, expected: str, *, leak_check: bool = False) -> Path:
