@@ -25,8 +25,8 @@ from tmax_jax.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
 MiB = 2**20
 
 
-def period_temp_bytes(seq: int, remat: str, rows: int = 1, preset: str = "9b") -> int:
-    cfg = Qwen35Config.preset(preset, vocab_size=1024, num_hidden_layers=4)
+def period_temp_bytes(seq: int, remat: str, rows: int = 1, preset: str = "9b", periods: int = 1) -> int:
+    cfg = Qwen35Config.preset(preset, vocab_size=1024, num_hidden_layers=4 * periods)
     model = nnx.eval_shape(
         lambda: Qwen35ForCausalLM(
             cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0), remat=remat
@@ -47,14 +47,18 @@ def main() -> None:
     ap.add_argument("--seqs", default="2048,4096,8192")
     ap.add_argument("--remat", default="full")
     ap.add_argument("--preset", default="9b")
+    ap.add_argument("--periods", type=int, default=1, help="stack this many periods (scanned)")
     args = ap.parse_args()
     seqs = [int(s) for s in args.seqs.split(",")]
-    print(f"one {args.preset} layer period (3 DeltaNet + 1 attention), bf16 compute, f32 params, B=1")
+    print(
+        f"{args.periods} x one {args.preset} layer period (3 DeltaNet + 1 attention), bf16 compute, "
+        "f32 params, B=1"
+    )
     print(f"{'remat':>8} {'T':>7} {'temp MiB':>10} {'MiB/token':>10} {'slope MiB/token':>16}")
     for remat in args.remat.split(","):
         prev = None
         for T in seqs:
-            b = period_temp_bytes(T, remat, preset=args.preset)
+            b = period_temp_bytes(T, remat, preset=args.preset, periods=args.periods)
             slope = "" if prev is None else f"{(b - prev[1]) / (T - prev[0]) / MiB:16.3f}"
             print(f"{remat:>8} {T:>7} {b / MiB:10.1f} {b / T / MiB:10.3f} {slope}", flush=True)
             prev = (T, b)
