@@ -300,3 +300,20 @@ def test_blocked_unit_lower_inverse_matches_numpy(n):
     lower = np.tril(np.random.default_rng(n).normal(size=(3, n, n)) * 0.3, -1)
     got = jax.jit(_unit_lower_inverse)(jnp.asarray(lower, jnp.float32))
     np.testing.assert_allclose(got, np.linalg.inv(np.eye(n) + lower), atol=1e-5, rtol=1e-5)
+
+
+def test_unit_lower_inverse_on_keys_sharing_a_direction():
+    """The UT transform's matrix when a chunk's keys are nearly parallel (trained models' keys often
+    are) and beta ~ 1: its entries are O(1) and a power series of it loses digits fast."""
+    from tmax_jax.models.qwen35.delta_rule import _unit_lower_inverse
+
+    rng = np.random.default_rng(0)
+    C = 64
+    k = rng.normal(size=128)[None, None] + 0.05 * rng.normal(size=(4, C, 128))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    g = -0.01 * np.arange(C)
+    a = np.tril(0.99 * np.einsum("bik,bjk->bij", k, k) * np.exp(g[:, None] - g[None, :]), -1)
+    a32 = a.astype(np.float32)
+    want = np.linalg.inv(np.eye(C) + a32.astype(np.float64))
+    got = np.asarray(jax.jit(_unit_lower_inverse)(jnp.asarray(a32)), np.float64)
+    assert np.abs(got - want).max() < 1e-5, np.abs(got - want).max()
