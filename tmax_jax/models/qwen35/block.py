@@ -52,32 +52,41 @@ class DecoderLayer(nnx.Module):
         return x, new_cache
 
 
-def _checkpointed(layer: DecoderLayer, x, ctx):
-    """``layer(x)`` whose backward pass recomputes it from its input alone (a hand-made checkpoint).
+def recompute_in_backward(fn, params, x, consts):
+    """``fn(params, x, consts)``, whose backward pass recomputes it from its arguments alone: a
+    hand-made checkpoint that keeps nothing else.
 
-    jax.checkpoint per layer is not enough inside a period that is itself rematerialised: XLA may
-    schedule every layer's recompute up front and hold all their internals at once. Here the recompute
-    waits (optimization barrier) for the cotangent of the layer's output, so layers run their
-    backward one after another and only one layer's internals are ever live.
+    jax.checkpoint is not enough on every backend: XLA's CPU pipeline drops optimization barriers,
+    then schedules recomputes early or merges them with the forward pass's identical ops, and a
+    rematerialised period holds every layer's internals at once. Here the recompute reads its input
+    through a data dependency on the output's cotangent, so it runs only when its backward does.
     """
+
+    @jax.custom_vjp
+    def apply(params, x, consts):
+        return fn(params, x, consts)
+
+    def fwd(params, x, consts):
+        return fn(params, x, consts), (params, x, consts)
+
+    def bwd(res, g):
+        params, x, consts = res
+        # x * 0 is not folded for floats, so no pass removes this dependency.
+        x = x + (jnp.sum(g, dtype=jnp.float32) * 0.0).astype(x.dtype)
+        (params, x, consts), g = jax.lax.optimization_barrier(((params, x, consts), g))
+        return jax.vjp(fn, params, x, consts)[1](g)
+
+    apply.defvjp(fwd, bwd)
+    return apply(params, x, consts)
+
+
+def _checkpointed(layer: DecoderLayer, x, ctx):
     graphdef, state = nnx.split(layer)
 
     def run(state, x, ctx):
         return nnx.merge(graphdef, state)(checkpoint_name(x, "layer_input"), ctx, None)[0]
 
-    @jax.custom_vjp
-    def apply(state, x, ctx):
-        return run(state, x, ctx)
-
-    def fwd(state, x, ctx):
-        return run(state, x, ctx), (state, x, ctx)
-
-    def bwd(res, g):
-        res, g = jax.lax.optimization_barrier((res, g))
-        return jax.vjp(run, *res)[1](g)
-
-    apply.defvjp(fwd, bwd)
-    return apply(state, x, ctx)
+    return recompute_in_backward(run, state, x, ctx)
 
 
 class PatternBlock(nnx.Module):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tmax_jax.errors import ConfigError
-from tmax_jax.models.qwen35.block import PatternBlock
+from tmax_jax.models.qwen35.block import PatternBlock, recompute_in_backward
 from tmax_jax.models.qwen35.cache import Qwen35Cache
 from tmax_jax.models.qwen35.config import Qwen35Config
 from tmax_jax.models.qwen35.norms import zero_centred_rms_norm
@@ -136,7 +136,13 @@ class Qwen35ForCausalLM(nnx.Module):
             return block(x, ctx, caches, remat_layers=remat_layers)
 
         policy = _REMAT_POLICIES[self.remat]
-        if self.remat != "none":
+        if remat_layers and cache is None:
+
+            def run(state, x, ctx):
+                return nnx.merge(graphdef, state)(x, ctx, None, remat_layers=True)[0]
+
+            period = lambda x, xs: (recompute_in_backward(run, xs[0], x, ctx), None)  # noqa: E731
+        elif self.remat != "none":
             period = jax.checkpoint(period, policy=policy, prevent_cse=False)
 
         G = cfg.num_groups
