@@ -767,19 +767,12 @@ _gdr.defvjp(_gdr_fwd, _gdr_bwd)
 
 
 def _check(q, k, v, g, beta, s0, groups, chunk_size, block_v, backend):
-    if q.ndim != 4 or k.shape != q.shape:
-        raise ValueError(f"q and k must both be [B, T, H, K]; got q {q.shape}, k {k.shape}")
-    B, T, H, K = q.shape
-    if v.ndim != 4 or v.shape[:3] != (B, T, H):
-        raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V]; got {v.shape}")
-    V = v.shape[-1]
-    for name, x in (("g", g), ("beta", beta)):
-        if x.shape != (B, T, H):
-            raise ValueError(f"{name} must be [B, T, H] = {(B, T, H)}; got {x.shape}")
-    if s0 is not None and s0.shape != (B, H, K, V):
-        raise ValueError(f"initial_state must be [B, H, K, V] = {(B, H, K, V)}; got {s0.shape}")
-    if groups is not None and groups.shape != (B, T):
-        raise ValueError(f"groups must be [B, T] = {(B, T)}; got {groups.shape}")
+    # Shapes and dtypes as the pure-JAX path checks them (one contract), then the kernels' own limits.
+    # Imported here: the model package imports this module (through its config).
+    from tmax_jax.models.qwen35.delta_rule import check_shapes
+
+    check_shapes(q, k, v, g, beta, s0, groups, chunk_size)
+    K, V = k.shape[-1], v.shape[-1]
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; expected one of {list(BACKENDS)}")
     if chunk_size < 8 or chunk_size & (chunk_size - 1):

@@ -416,7 +416,8 @@ def _chunked_bwd(C, res, cotangents):
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-def _check_shapes(q, k, v, g, beta, s0, groups, chunk_size) -> None:
+def check_shapes(q, k, v, g, beta, s0, groups, chunk_size) -> None:
+    """ValueErrors naming the input whose shape or dtype breaks the delta rule's contract."""
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     if k.ndim != 4 or q.shape != k.shape:
@@ -450,7 +451,7 @@ def chunked_gated_delta_rule(
     The initial state belongs to group 0: tokens of group 0 read it, others start from zero. Inputs may
     be bfloat16 (each block is cast to float32 as it is used); gradients come back in the inputs' dtypes.
     """
-    _check_shapes(
+    check_shapes(
         q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH, beta_BxTxH, initial_state_BxHxKxV, groups_BxT, chunk_size
     )
     B, T, H, K = k_BxTxHxK.shape
