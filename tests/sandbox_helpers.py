@@ -29,6 +29,18 @@ def procs_in_ns(ns: str) -> list[int]:
     return out
 
 
+def sandbox_leftovers(cache_dir: str) -> list[str]:
+    """What this process's bwrap sandboxes left behind: processes naming the cache dir or one of
+    this process's stage dirs (``/run/tmax-jax/<pid>-...``, as root), and such stage dirs."""
+    from tmax_jax.sandbox.bwrap import STAGE_ROOT
+
+    ours = f"{STAGE_ROOT}/{os.getpid()}-"
+    out = [f"process {p}" for p in procs_with_cmdline(cache_dir) + procs_with_cmdline(ours)]
+    if STAGE_ROOT.is_dir():
+        out += [f"stage {d}" for d in STAGE_ROOT.iterdir() if str(d).startswith(ours)]
+    return out
+
+
 def procs_with_cmdline(fragment: str) -> list[int]:
     out = []
     for name in os.listdir("/proc"):
@@ -100,12 +112,12 @@ class DescendantWatcher(threading.Thread):
         self.join()
 
     def sandboxes(self) -> set[str]:
-        """Ids of the bubblewrap sandboxes seen (from their state dirs' paths)."""
+        """Ids of the bubblewrap sandboxes seen (from the paths of their disks and staged mounts)."""
         return {
             m
             for cmd in self.seen.values()
             if cmd.startswith("bwrap ") or " bwrap " in cmd
-            for m in re.findall(r"/(\d+-[0-9a-f]{10})/state/", cmd)
+            for m in re.findall(r"/(\d+-[0-9a-f]{10})/(?:disk|src\d+)\b", cmd)
         }
 
     def still_running(self) -> list[str]:

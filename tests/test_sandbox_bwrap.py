@@ -263,11 +263,12 @@ def test_close_kills_everything_and_removes_dirs(cfg):
     sh.run("setsid sleep 300 & nohup sleep 301 >/dev/null 2>&1 &")
     s.exec("setsid sleep 302 &")
     assert len(procs_in_ns(ns)) >= 4
-    run_dir = s.run_dir
+    run_dir, stage = s.run_dir, s.stage
     s.close()
     s.close()  # idempotent
     assert procs_in_ns(ns) == []
-    assert not run_dir.exists()
+    assert not run_dir.exists() and not stage.exists()
+    assert str(stage) not in Path("/proc/self/mountinfo").read_text()  # its host mounts are gone too
     with pytest.raises(SandboxError):
         s.exec("true")
 
@@ -277,7 +278,7 @@ import sys, time, json
 from tmax_jax.sandbox import SandboxConfig, make_sandbox
 sb = make_sandbox(SandboxConfig(cache_dir=sys.argv[1]))
 sb.shell().run("sleep 300 &")
-print(json.dumps({"child_pid": sb.child_pid, "run_dir": str(sb.run_dir), "cg": sb.cg.name if sb.cg else None}), flush=True)
+print(json.dumps({"child_pid": sb.child_pid, "run_dir": str(sb.run_dir), "stage": str(sb.stage), "cg": sb.cg.name if sb.cg else None}), flush=True)
 if sys.argv[2] == "raise":
     raise RuntimeError("boom")
 time.sleep(300)
@@ -314,6 +315,7 @@ def test_cleanup_when_the_parent_dies(cfg, how):
         with SandboxPool(cfg, size=1) as pool:
             assert pool.swept >= 1
     assert not run_dir.exists()
+    assert not Path(info["stage"]).exists() and info["stage"] not in Path("/proc/self/mountinfo").read_text()
     if info["cg"]:
         assert info["cg"] not in cgroup_mod.stale_groups()
 

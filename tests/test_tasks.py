@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from sandbox_helpers import procs_with_cmdline
+from sandbox_helpers import sandbox_leftovers
 
 from tmax_jax.errors import TaskFormatError
 from tmax_jax.sandbox import SandboxConfig, SandboxPool
@@ -32,7 +32,7 @@ def cfg(tmp_path):
 def _no_leaks(cfg: SandboxConfig) -> None:
     run = Path(cfg.cache_dir) / "run"
     assert not run.exists() or list(run.iterdir()) == []
-    assert procs_with_cmdline(cfg.cache_dir) == []
+    assert sandbox_leftovers(cfg.cache_dir) == []
 
 
 def test_load_harbor_task():
