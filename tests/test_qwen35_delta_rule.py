@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from delta_rule_reference import numpy_forward_backward
 
 from tmax_jax.models.qwen35.delta_rule import chunked_gated_delta_rule, recurrent_gated_delta_rule
 
@@ -113,52 +114,6 @@ def test_tokens_with_zero_decay_and_beta_leave_the_state_unchanged():
     np.testing.assert_array_equal(s_step, s0)
 
 
-def numpy_delta_rule_vjp(q, k, v, g, beta, s0, groups, d_out, d_final):
-    """Reverse-mode of the per-token loop by hand, float64: gradients of ``sum(out * d_out) +
-    sum(final * d_final)`` w.r.t. q, k, v, g, beta and the initial state."""
-    q, k, v, g, beta, s0, d_out, d_final = (
-        np.asarray(x, np.float64) for x in (q, k, v, g, beta, s0, d_out, d_final)
-    )
-    B, T, H, K = k.shape
-    V = v.shape[-1]
-    groups = np.zeros((B, T), np.int64) if groups is None else np.asarray(groups)
-    dq, dk, dv, dg, dbeta = (np.zeros_like(x) for x in (q, k, v, g, beta))
-    ds0 = np.zeros_like(s0)
-    for b in range(B):
-        # Forward, keeping each token's incoming (post-reset) state.
-        s, prev, before = s0[b].copy(), 0, []
-        for t in range(T):
-            if groups[b, t] != prev:
-                s, prev = np.zeros((H, K, V)), groups[b, t]
-            before.append(s)
-            s1 = s * np.exp(g[b, t])[:, None, None]
-            delta = (v[b, t] - np.einsum("hk,hkv->hv", k[b, t], s1)) * beta[b, t][:, None]
-            s = s1 + k[b, t][:, :, None] * delta[:, None, :]
-        ds = d_final[b].copy()
-        for t in reversed(range(T)):
-            s = before[t]
-            e = np.exp(g[b, t])[:, None, None]
-            s1 = s * e
-            err = v[b, t] - np.einsum("hk,hkv->hv", k[b, t], s1)
-            delta = err * beta[b, t][:, None]
-            s2 = s1 + k[b, t][:, :, None] * delta[:, None, :]
-            dq[b, t] = np.einsum("hkv,hv->hk", s2, d_out[b, t])
-            ds2 = ds + q[b, t][:, :, None] * d_out[b, t][:, None, :]
-            d_delta = np.einsum("hkv,hk->hv", ds2, k[b, t])
-            dk[b, t] = np.einsum("hkv,hv->hk", ds2, delta)
-            dv[b, t] = d_delta * beta[b, t][:, None]
-            dbeta[b, t] = np.sum(d_delta * err, -1)
-            d_pred = -d_delta * beta[b, t][:, None]
-            ds1 = ds2 + k[b, t][:, :, None] * d_pred[:, None, :]
-            dk[b, t] += np.einsum("hkv,hv->hk", s1, d_pred)
-            dg[b, t] = np.sum(ds1 * s1, axis=(-2, -1))
-            ds = ds1 * e
-            if groups[b, t] != (groups[b, t - 1] if t else 0):
-                ds = np.zeros_like(ds)  # the state before a reset never reached this token
-        ds0[b] = ds
-    return dq, dk, dv, dg, dbeta, ds0
-
-
 def _cotangents(seed, q, v, s0):
     rng = np.random.default_rng(seed)
     return rng.normal(size=q.shape[:3] + v.shape[-1:]).astype(np.float32), rng.normal(size=s0.shape).astype(
@@ -194,7 +149,7 @@ def test_gradients_match_numpy_reference_with_packing_and_padding(chunk_size):
         groups_BxT=groups,
         chunk_size=chunk_size,
     )
-    want = numpy_delta_rule_vjp(q, k, v, g, beta, s0, groups, d_out, d_final)
+    want = numpy_forward_backward(q, k, v, g, beta, s0, groups, d_out, d_final)[2]
     for name, a, b in zip(NAMES, got, want):
         assert a.dtype == jnp.float32, name
         np.testing.assert_allclose(a, b, atol=5e-5, rtol=2e-4, err_msg=name)
@@ -210,7 +165,7 @@ def test_gradients_match_autodiff_of_the_recurrent_form(chunk_size):
         np.testing.assert_allclose(a, b, atol=5e-5, rtol=2e-4, err_msg=name)
     # Only the final state's cotangent (the prefill-into-cache path): still exact.
     got = _grads(chunked_gated_delta_rule, (q, k, v, g, beta, s0), 0 * d_out, d_final, chunk_size=chunk_size)
-    want = numpy_delta_rule_vjp(q, k, v, g, beta, s0, None, 0 * d_out, d_final)
+    want = numpy_forward_backward(q, k, v, g, beta, s0, None, 0 * d_out, d_final)[2]
     for name, a, b in zip(NAMES, got, want):
         np.testing.assert_allclose(a, b, atol=5e-5, rtol=2e-4, err_msg=name)
 
@@ -249,7 +204,7 @@ def test_bfloat16_inputs_give_float32_outputs_and_bfloat16_gradients():
     np.testing.assert_allclose(s, ref_s, atol=2e-5, rtol=1e-4)
     d_out, d_final = _cotangents(11, q, v, s0)
     got = _grads(chunked_gated_delta_rule, (*bf, g, beta, s0), d_out, d_final, chunk_size=16)
-    want = numpy_delta_rule_vjp(*rounded, g, beta, s0, None, d_out, d_final)
+    want = numpy_forward_backward(*rounded, g, beta, s0, None, d_out, d_final)[2]
     for name, a, b in zip(NAMES, got, want):
         assert a.dtype == (jnp.bfloat16 if name in "qkv" else jnp.float32), name
         # bfloat16 gradients: one rounding of the float32 result (8 bits of mantissa).
