@@ -74,7 +74,28 @@ def test_turn_and_context_limits(chat, shell):
     small = run_episode(
         "x", ScriptedPolicy(["true"] * 10, chat), shell, chat, AgentConfig(max_context_tokens=300)
     )
-    assert small.finish_reason in ("context_limit",) and len(small.tokens) <= 300
+    assert small.finish_reason == "context_exhausted" and len(small.tokens) <= 300
+    small.validate()  # the trajectory is kept whole
+
+
+def test_long_outputs_are_cut_to_fit_the_context(chat, shell):
+    # Each output is 3000 characters (a token each here): cut head and tail (max_output_chars), then again to leave
+    # the reply reserve free as the context fills, until not even a cut observation fits.
+    cmd = "python3 -c \"print('H' * 1500 + 'T' * 1500)\""
+    cfg = AgentConfig(max_context_tokens=6000, max_output_chars=2000, context_reserve_tokens=64)
+    traj = run_episode("x", ScriptedPolicy([cmd] * 20, chat), shell, chat, cfg)
+    assert traj.finish_reason == "context_exhausted" and len(traj.tokens) <= cfg.max_context_tokens
+    outputs = [m["content"] for m in traj.messages if m["role"] == "tool"]
+    assert "[... 1001 characters truncated ...]" in outputs[0] and outputs[0].startswith("H" * 1000)
+    assert outputs[0].rstrip().endswith("T" * 999 + "\n(exit_code=0)")
+    last = outputs[-1]
+    assert "characters cut to fit the context" in last and last.startswith("H") and "(exit_code=0)" in last
+    assert len(last) < len(outputs[0])
+    # What the model saw is exactly the messages (nothing was rewritten after the fact).
+    text = chat.decode(traj.tokens)
+    assert all(o in text for o in outputs)
+    # The last observation left the reply reserve free for the next turn.
+    assert cfg.max_context_tokens - len(traj.tokens) < cfg.context_reserve_tokens + 200
 
 
 def test_truncated_reply_gets_end_token_glue(chat, shell):

@@ -1,21 +1,37 @@
 """A policy that replays fixed commands: turns a reference solution into a demonstration trajectory.
 
 Used for the SFT warm start (the tiny random model has to learn the tool format first) and for
-testing the harness; its tokens are the canonical tool-call text, its logprobs are 0.
+testing the harnesses; its tokens are the harness's canonical reply text, its logprobs are 0.
 """
 
 from __future__ import annotations
 
 from tmax_jax.agent.chat import ChatFormatter
 from tmax_jax.agent.episode import Generation
-from tmax_jax.agent.protocol import SUBMIT_MARKER, render_tool_call
+from tmax_jax.agent.harness import get_harness
 
 
 class ScriptedPolicy:
-    def __init__(self, commands: list[str], chat: ChatFormatter, *, submit: bool = True, preamble: str = ""):
-        self.replies = [preamble + render_tool_call(c) for c in commands]
-        if submit:
-            self.replies.append(render_tool_call(f"echo {SUBMIT_MARKER}"))
+    """Replies with ``commands`` rendered for ``harness`` (then its submit replies), or with ``replies``
+    verbatim when given."""
+
+    def __init__(
+        self,
+        commands: list[str],
+        chat: ChatFormatter,
+        *,
+        submit: bool = True,
+        preamble: str = "",
+        harness: str = "bash",
+        replies: list[str] | None = None,
+    ):
+        h = get_harness(harness)
+        if replies is not None:
+            self.replies = list(replies)
+        else:
+            self.replies = [preamble + h.render_command(c) for c in commands]
+            if submit:
+                self.replies.extend(h.render_submit())
         self.chat = chat
         self.turn = 0
 
