@@ -12,7 +12,9 @@ from tmax_jax.distributed import DistributedConfig, initialize
 from tmax_jax.errors import ConfigError
 
 CHILD = """
+import faulthandler
 import sys
+faulthandler.dump_traceback_later(200, exit=True)  # a hang shows every thread's stack, then exits
 import numpy as np
 from tmax_jax.distributed import DistributedConfig, initialize, is_primary
 import jax
@@ -69,8 +71,14 @@ def test_two_processes_build_one_global_batch():
         for i in range(2)
     ]
     outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=240)
+    for i, p in enumerate(procs):
+        try:
+            out, err = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            tails = [q.communicate()[1][-3000:] for q in procs]
+            raise AssertionError(f"process {i} hung; stderr tails: {tails}") from None
         assert p.returncode == 0, err[-2000:]
         outs.append({line.split()[0]: line for line in out.splitlines() if line[:1].isupper()})
     # 2 processes x 2 devices; 4 global rows, each process holding its own rows on its devices.

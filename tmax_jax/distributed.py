@@ -59,6 +59,10 @@ def initialize(cfg: DistributedConfig) -> bool:
         }
     if cfg.local_device_ids is not None:
         kwargs["local_device_ids"] = list(cfg.local_device_ids)
+    # CPU collectives across processes (gloo) under CPU async dispatch: the same hang the trainer
+    # sees with queued steps (jax 0.10.2); synchronous dispatch must be chosen before the backend
+    # starts, which is now. It changes nothing on TPU/GPU.
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
     jax.distributed.initialize(**kwargs)
     _initialized = True
     return True

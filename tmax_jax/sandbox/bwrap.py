@@ -367,9 +367,13 @@ class BwrapSandbox(Sandbox):
         # bwrap's own root holds only mount points and symlinks: read-only.
         return args + [*self._late_args, "--remount-ro", "/"]
 
-    def _command(self, env: dict[str, str], cwd: str, argv: list[str]) -> list[str]:
+    def _command(
+        self, env: dict[str, str], cwd: str, argv: list[str], die_with_parent: bool = True
+    ) -> list[str]:
         """bwrap args shared by commands and verifiers: capabilities, seccomp, clean env, cwd."""
-        out = ["--seccomp", "3", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+        out = ["--seccomp", "3", "--new-session", "--cap-drop", "ALL"]
+        if die_with_parent:
+            out.append("--die-with-parent")
         for cap in CAPS:
             out += ["--cap-add", cap]
         out.append("--clearenv")
@@ -391,7 +395,12 @@ class BwrapSandbox(Sandbox):
             self._host_prefix(self.cg, f"/proc/{self.child_pid}/ns/pid")
             + self._enter(("user", "net", "ipc", "uts", "cgroup"))
             + ["bwrap", "--pidns", "4", *self._mount_tree()]
-            + self._command(env, cwd, argv)
+            # No --die-with-parent with --pidns: bwrap's process in the joined pid namespace is
+            # forked by an intermediate that exits at once, and if it sets its parent-death signal
+            # before that exit lands it is SIGKILLed (a rare exit 137 under load). The process is
+            # still a descendant of the host-side bwrap (a subreaper), so a timeout's tree kill
+            # reaches it.
+            + self._command(env, cwd, argv, die_with_parent=False)
         )
 
     def run_verifier(self, tests_dir, argv, *, timeout, env=None) -> VerifierRun:
