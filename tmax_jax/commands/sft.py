@@ -73,8 +73,7 @@ def _log(msg: str) -> None:
 
 
 def _demonstrations(args, cfg, tokenizer) -> list:
-    from tmax_jax.agent.chat import ChatFormatter
-    from tmax_jax.agent.protocol import BASH_TOOL
+    from tmax_jax.agent.episode import make_chat
     from tmax_jax.errors import TaskFormatError, TmaxError
     from tmax_jax.tasks import find_tasks, load_task
     from tmax_jax.train.rollout import demonstrations
@@ -88,8 +87,7 @@ def _demonstrations(args, cfg, tokenizer) -> list:
     if not tasks:
         raise TmaxError(f"--tasks {args.tasks}: no usable task")
     # The prompt exactly as the trainer renders it, so SFT and RL see the same tokens.
-    tools = [BASH_TOOL] if cfg.agent.tool_schema_in_prompt else None
-    chat = ChatFormatter(tokenizer, tools=tools, template_kwargs={"enable_thinking": False})
+    chat = make_chat(tokenizer, cfg.agent)
     demos, rejected = demonstrations(
         tasks * cfg.sft.demos_per_task, chat, cfg.agent, cfg.sandbox, workers=cfg.rollout_workers
     )

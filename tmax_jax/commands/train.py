@@ -11,6 +11,11 @@ def register(sub) -> None:
     p.add_argument("--run-dir", help="run directory (default: the config's run_dir)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument(
+        "--harness",
+        choices=["bash", "mini-swe", "openhands", "terminus"],
+        help="the agent harness episodes run under (sets agent.harness; recorded in RUN_DIR/config.yaml)",
+    )
+    p.add_argument(
         "--set",
         dest="overrides",
         action="append",
@@ -30,6 +35,8 @@ def run(args) -> int:
     overrides = parse_dotted(args.overrides)
     if args.run_dir:
         overrides["run_dir"] = args.run_dir
+    if getattr(args, "harness", None):
+        overrides.setdefault("agent", {})["harness"] = args.harness
     cfg = load_train_config(args.config, overrides)
     # Before anything touches a device; a no-op when tpu/multihost.py has already joined.
     initialize(cfg.distributed)

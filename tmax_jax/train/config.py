@@ -167,6 +167,15 @@ class TrainConfig:
             )
 
     @property
+    def harness(self) -> str:
+        """The agent harness of every episode (``agent.harness``: bash, mini-swe, openhands, terminus).
+
+        It is part of the run's identity: config.yaml records it and a resume under another harness
+        is refused.
+        """
+        return self.agent.harness
+
+    @property
     def max_staleness(self) -> int:
         return 0 if self.mode == "sync" else self.async_steps
 

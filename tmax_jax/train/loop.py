@@ -32,8 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tmax_jax.agent.chat import ChatFormatter
-from tmax_jax.agent.protocol import BASH_TOOL
+from tmax_jax.agent.episode import make_chat
 from tmax_jax.agent.trajectory import write_jsonl
 from tmax_jax.data import DataConfig, PromptLoader
 from tmax_jax.distributed import allgather_json, any_process, barrier, is_primary, primary_first
@@ -96,8 +95,7 @@ class Trainer:
             init = policy_checkpoint(cfg, self.run_dir)
             self.train_tasks, self.heldout_tasks = load_task_sets(cfg, self.run_dir)
         self.tokenizer = load_tokenizer(init)
-        tools = [BASH_TOOL] if cfg.agent.tool_schema_in_prompt else None
-        self.chat = ChatFormatter(self.tokenizer, tools=tools, template_kwargs={"enable_thinking": False})
+        self.chat = make_chat(self.tokenizer, cfg.agent)  # agent.harness decides the tools in the prompt
         _log(f"{len(self.train_tasks)} train tasks, {len(self.heldout_tasks)} held-out; policy from {init}")
         self.mesh = make_mesh(cfg.mesh)
 
@@ -506,6 +504,7 @@ class Trainer:
             "run_dir": str(self.run_dir),
             "steps": step,
             "policy_init": str(self.policy_init),
+            "harness": self.cfg.agent.harness,
             "pass_rate_before": before["pass_rate"],
             "pass_rate_after": after["pass_rate"],
             "reward_before": before["reward_mean"],

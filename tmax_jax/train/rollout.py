@@ -181,7 +181,7 @@ def demonstrations(
         body = "\n".join(
             ln for ln in task.solution.read_text().splitlines() if ln.strip() and not ln.startswith("#!")
         )
-        policy = ScriptedPolicy([body], chat)
+        policy = ScriptedPolicy([body], chat, harness=agent_cfg.harness)
         result = run_task(
             task,
             lambda t, sh: run_episode(t.prompt, policy, sh, chat, demo_cfg, task_id=t.name),
