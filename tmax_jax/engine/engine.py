@@ -2,15 +2,19 @@
 
 Decode state holds ``max_concurrent_decodes`` slots: the model's cache batched over slots (KV cache
 for attention layers, conv and float32 recurrent state for Gated DeltaNet layers, per-slot lengths)
-plus each slot's pending token, PRNG key and sampling settings. ``prefill`` runs one request (batch
-1) on a power-of-two bucket of its length, ``insert`` copies that request's state into a slot, and
-``generate`` is a single jitted step over all slots. Parameters are an argument of every jitted
-function, so :meth:`Engine.update_params` swaps weights without recompiling.
+plus each slot's pending token, PRNG key and sampling settings. ``prefill`` runs one request on a
+power-of-two bucket of its length, ``prefill_many`` several at once (one batched call per length
+bucket; requests with the same prompt share one prefill, whose cache each of them forks), ``insert``
+copies a request's state into a slot, ``generate`` is one jitted step over all slots and
+``generate_block`` several steps in one call. Attention in prefill and in blocks reads only a
+power-of-two bucket of the live length, not ``max_cache_length``. Parameters are an argument of
+every jitted function, so :meth:`Engine.update_params` swaps weights without recompiling.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -63,6 +67,28 @@ class DecodeState:
     stop_ids: jax.Array  # int32 [S, max_stop_tokens]
 
 
+@struct.dataclass
+class DecodeBlock:
+    """The output of ``generate_block``: step ``j``'s token of slot ``s`` at ``[j, s]``. A slot's
+    tokens after it stopped (stop token, ``max_tokens``, full cache) are not ``valid``."""
+
+    tokens: jax.Array  # int32 [K, S]
+    valid: jax.Array  # bool [K, S]
+    log_prob: jax.Array  # float32 [K, S]
+    generated: jax.Array  # int32 [K, S]: tokens the slot has generated after this step
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillRequest:
+    """One request for :meth:`Engine.prefill_many` (the arguments of :meth:`Engine.prefill`)."""
+
+    tokens: Sequence[int]
+    sampling_params: SamplingParams | None = None
+    max_tokens: int | None = None
+    stop_token_ids: Sequence[int] | None = None
+    existing_prefix: Prefix | None = None
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n - 1).bit_length())
 
@@ -91,6 +117,12 @@ class Engine(EngineAPI):
       cache_dtype: dtype of KV/conv caches (DeltaNet recurrent state is float32 regardless).
       eos_token_ids: tokens that end a request unless a request gives its own stop tokens.
       tokenizer: returned by ``get_tokenizer`` (the orchestrator uses it for stop strings).
+      decode_steps: decode steps per ``generate_block`` call (the orchestrator's block size).
+      min_attend_bucket: smallest KV length attention reads (live lengths round up to a power of two
+        at least this; fewer buckets, fewer compiles).
+      max_prefill_batch: most prompts prefilled in one call by ``prefill_many``.
+      prompt_cache_entries: prefilled prompts kept (cache + last logits) so that later requests with
+        the same prompt and weights fork them instead of prefilling again; 0 = off.
     """
 
     def __init__(
@@ -107,8 +139,15 @@ class Engine(EngineAPI):
         max_stop_tokens: int = 8,
         tokenizer: Any = None,
         mesh: jax.sharding.Mesh | None = None,
+        decode_steps: int = 8,
+        min_attend_bucket: int = 128,
+        max_prefill_batch: int = 8,
+        prompt_cache_entries: int = 8,
     ):
         for name, v in [
+            ("decode_steps", decode_steps),
+            ("min_attend_bucket", min_attend_bucket),
+            ("max_prefill_batch", max_prefill_batch),
             ("max_concurrent_decodes", max_concurrent_decodes),
             ("max_cache_length", max_cache_length),
             ("max_prefill_length", max_prefill_length),
@@ -139,6 +178,23 @@ class Engine(EngineAPI):
         self._max_stop = max_stop_tokens
         self._tokenizer = tokenizer
         self._mesh = mesh
+        if (
+            isinstance(prompt_cache_entries, bool)
+            or not isinstance(prompt_cache_entries, int)
+            or prompt_cache_entries < 0
+        ):
+            raise ConfigError(
+                f"Engine: prompt_cache_entries must be an integer >= 0, got {prompt_cache_entries!r}"
+            )
+        self.decode_steps = decode_steps
+        self._min_attend = _next_pow2(min_attend_bucket)
+        self._max_prefill_batch = _next_pow2(max_prefill_batch)
+        self._prompt_cache_entries = prompt_cache_entries
+        self._prompt_cache: collections.OrderedDict[tuple[int, ...], tuple[Any, jax.Array]] = (
+            collections.OrderedDict()
+        )
+        # Prefill work: rows prefilled, calls made, requests that forked a prompt already prefilled.
+        self.prefill_counts: collections.Counter[str] = collections.Counter()
         self._axes = _batch_axes(model, max_cache_length, cache_dtype)
         self._cache_treedef = jax.tree.structure(
             jax.eval_shape(lambda: model.init_cache(1, max_cache_length, dtype=cache_dtype))
@@ -146,9 +202,17 @@ class Engine(EngineAPI):
         self.vocab_size = int(jax.eval_shape(model.lm_head_weight).shape[-1])
         # Trace counts per jitted function: a retrace is a recompile, so tests can assert none happen.
         self.trace_counts: collections.Counter[str] = collections.Counter()
-        self._empty_prefix_cache = None
-        self._prefill_jit = serialized(jax.jit(self._prefill_impl))
+        probe = jax.eval_shape(lambda: model.init_cache(1, max_cache_length, dtype=cache_dtype))
+        self._narrowable = hasattr(probe, "narrow") and hasattr(probe, "widen_into")
+        self._prefill_fresh_jit = serialized(jax.jit(self._prefill_fresh_impl, static_argnums=(3,)))
+        self._prefill_cont_jit = serialized(jax.jit(self._prefill_cont_impl, static_argnums=(4,)))
+        self._row_jit = serialized(jax.jit(self._row_impl))
+        self._sample_first_jit = serialized(jax.jit(self._sample_first_impl))
         self._generate_jit = serialized(jax.jit(self._generate_impl, donate_argnums=(1,)))
+        self._block_jit = serialized(
+            jax.jit(self._generate_block_impl, static_argnums=(3,), donate_argnums=(1,))
+        )
+        self._live_length_jit = serialized(jax.jit(self._live_length_impl))
         self._insert_jit = serialized(jax.jit(self._insert_impl, donate_argnums=(1,)))
         self._extract_jit = serialized(jax.jit(self._extract_impl))
         self._deactivate_jit = serialized(jax.jit(self._deactivate_impl, donate_argnums=(0,)))
@@ -169,6 +233,10 @@ class Engine(EngineAPI):
     @property
     def max_cache_length(self) -> int:
         return self._max_len
+
+    @property
+    def max_prefill_batch(self) -> int:
+        return self._max_prefill_batch
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
@@ -224,6 +292,7 @@ class Engine(EngineAPI):
         with self._lock:
             self._params = new_params
             self._version = self._version + 1 if version is None else int(version)
+            self._prompt_cache.clear()  # prefilled with the old weights
             return self._version
 
     # ----------------------------------------------------------------- tokenizer (JetStream API)
@@ -275,17 +344,56 @@ class Engine(EngineAPI):
         )
 
     # ----------------------------------------------------------------- prefill
-    def _prefill_impl(self, params, cache, tokens_1xT, true_length, key_1, temperature_1, top_k_1, top_p_1):
-        self.trace_counts[f"prefill_{tokens_1xT.shape[1]}"] += 1
+    def attend_length(self, n: int) -> int:
+        """KV length attention reads when no row holds more than ``n`` tokens after the call: a power
+        of two, at least ``min_attend_bucket``, at most ``max_cache_length``."""
+        if not self._narrowable:
+            return self._max_len
+        return min(self._max_len, max(self._min_attend, _next_pow2(n)))
+
+    def _narrow(self, cache, length: int):
+        return cache.narrow(length) if self._narrowable and length < self._max_len else cache
+
+    def _widen(self, small, full):
+        return small.widen_into(full) if self._narrowable and small is not full else small
+
+    def _last_logits(self, model, hidden_BxTxD, true_len_B):
+        last_B = jnp.maximum(true_len_B - 1, 0)
+        last_BxD = jnp.take_along_axis(hidden_BxTxD, last_B[:, None, None], axis=1)[:, 0]
+        return self._logits(model, last_BxD)
+
+    def _prefill_fresh_impl(self, params, tokens_BxT, true_len_B, attend: int):
+        """Prompts ``tokens_BxT[b, :true_len_B[b]]`` on empty caches; (cache at max length, last logits)."""
+        B, T = tokens_BxT.shape
+        self.trace_counts[f"prefill_{B}x{T}"] += 1
+        model = nnx.merge(self._graphdef, params)
+        segment_BxT = (jnp.arange(T)[None, :] < true_len_B[:, None]).astype(jnp.int32)
+        cache = model.init_cache(B, attend, dtype=self._cache_dtype)
+        hidden_BxTxD, cache = model.hidden_states(tokens_BxT, segment_ids=segment_BxT, cache=cache)
+        if attend < self._max_len:
+            cache = cache.widen_into(model.init_cache(B, self._max_len, dtype=self._cache_dtype))
+        return cache, self._last_logits(model, hidden_BxTxD, true_len_B)
+
+    def _prefill_cont_impl(self, params, cache, tokens_1xT, true_length, attend: int):
+        """One chunk of one request on top of its cache (``attend`` covers the cached tokens too)."""
+        self.trace_counts[f"prefill_cont_{tokens_1xT.shape[1]}"] += 1
         model = nnx.merge(self._graphdef, params)
         t = tokens_1xT.shape[1]
         segment_1xT = (jnp.arange(t)[None, :] < true_length).astype(jnp.int32)
-        hidden_1xTxD, cache = model.hidden_states(tokens_1xT, segment_ids=segment_1xT, cache=cache)
-        last_1xD = jax.lax.dynamic_index_in_dim(hidden_1xTxD[0], true_length - 1, axis=0, keepdims=True)
-        logits_1xV = self._logits(model, last_1xD)
+        hidden_1xTxD, small = model.hidden_states(
+            tokens_1xT, segment_ids=segment_1xT, cache=self._narrow(cache, attend)
+        )
+        return self._widen(small, cache), self._last_logits(model, hidden_1xTxD, true_length[None])
+
+    def _row_impl(self, cache_B, logits_BxV, row):
+        leaves, treedef = jax.tree.flatten(cache_B)
+        rows = [jax.lax.dynamic_slice_in_dim(x, row, 1, axis=a) for x, a in zip(leaves, self._axes)]
+        return jax.tree.unflatten(treedef, rows), jax.lax.dynamic_slice_in_dim(logits_BxV, row, 1, axis=0)
+
+    def _sample_first_impl(self, logits_1xV, key_1, temperature_1, top_k_1, top_p_1):
+        self.trace_counts["sample_first"] += 1
         keys_1 = sampling.step_keys(key_1, jnp.zeros((1,), jnp.int32))
-        token_1, logprob_1 = sampling.sample(logits_1xV, keys_1, temperature_1, top_k_1, top_p_1)
-        return cache, token_1, logprob_1
+        return sampling.sample(logits_1xV, keys_1, temperature_1, top_k_1, top_p_1)
 
     def bucket(self, n: int) -> int:
         """Padded length used for a prefill of ``n`` tokens."""
@@ -303,6 +411,140 @@ class Engine(EngineAPI):
         out = np.full((1, self._max_stop), -1, np.int32)
         out[0, : len(ids)] = ids
         return out
+
+    def _check_request(self, tokens: Any, true_length: int, base: int, max_tokens: int | None) -> np.ndarray:
+        tokens = np.asarray(tokens)
+        if tokens.ndim == 2 and tokens.shape[0] == 1:
+            tokens = tokens[0]
+        if tokens.ndim != 1:
+            raise ConfigError(f"prefill: padded_tokens must be 1-D or [1, T], got shape {np.shape(tokens)}")
+        if not 1 <= true_length <= tokens.shape[0]:
+            raise ConfigError(f"prefill: true_length={true_length} outside [1, {tokens.shape[0]}]")
+        tokens = tokens[:true_length]
+        if np.any(tokens < 0) or np.any(tokens >= self.vocab_size):
+            raise ConfigError(f"prefill: token ids must lie in [0, {self.vocab_size})")
+        if base + true_length >= self._max_len:
+            raise ConfigError(
+                f"prefill: {base} cached + {true_length} new tokens leave no room to generate in "
+                f"max_cache_length={self._max_len}"
+            )
+        if max_tokens is not None and (
+            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+        ):
+            raise ConfigError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        return tokens.astype(np.int32)
+
+    def _make_prefix(self, cache, logits_1xV, req: PrefillRequest, length: int) -> Prefix:
+        sp = req.sampling_params or self.default_sampling
+        key_1 = sampling.request_key(sp.seed)[None]
+        temperature_1 = jnp.full((1,), sp.temperature, jnp.float32)
+        top_k_1 = jnp.full((1,), sp.top_k, jnp.int32)
+        top_p_1 = jnp.full((1,), sp.top_p, jnp.float32)
+        token_1, logprob_1 = self._sample_first_jit(logits_1xV, key_1, temperature_1, top_k_1, top_p_1)
+        max_tokens = self._max_len if req.max_tokens is None else req.max_tokens
+        return Prefix(
+            cache=cache,
+            token=token_1,
+            log_prob=logprob_1,
+            key=key_1,
+            temperature=temperature_1,
+            top_k=top_k_1,
+            top_p=top_p_1,
+            max_tokens=jnp.full((1,), max_tokens, jnp.int32),
+            stop_ids=jnp.asarray(self._stop_array(req.stop_token_ids)),
+            length=length,
+        )
+
+    def _prefill_chunked(self, params, tokens: np.ndarray, existing: Prefix | None):
+        """One request, chunked by ``max_prefill_length``, on top of ``existing``; (cache, logits)."""
+        base = 0 if existing is None else existing.length
+        cache = None if existing is None else existing.cache
+        start, logits = 0, None
+        while start < len(tokens):
+            n = min(len(tokens) - start, self._max_prefill)
+            chunk = np.zeros((1, self.bucket(n)), np.int32)
+            chunk[0, :n] = tokens[start : start + n]
+            self.prefill_counts["calls"] += 1
+            if cache is None:
+                attend = self.attend_length(chunk.shape[1])
+                cache, logits = self._prefill_fresh_jit(
+                    params, jnp.asarray(chunk), jnp.full((1,), n, jnp.int32), attend
+                )
+            else:
+                attend = self.attend_length(base + start + chunk.shape[1])
+                cache, logits = self._prefill_cont_jit(
+                    params, cache, jnp.asarray(chunk), jnp.int32(n), attend
+                )
+            start += n
+        self.prefill_counts["rows"] += 1
+        return cache, logits
+
+    def prefill_many(self, params: Any, requests: Sequence[PrefillRequest]) -> list[Prefix]:
+        """Prefill several requests, returning one Prefix each (in order).
+
+        Prompts without an existing prefix that fit one prefill run batched (one call per length
+        bucket, up to ``max_prefill_batch`` rows); requests with the same prompt share one row whose
+        cache each forks, and a prompt prefilled recently with these weights is not prefilled again.
+        Every request samples its first token from the shared logits with its own key, so the result
+        is what it would be alone.
+        """
+        checked = []
+        for r in requests:
+            base = 0 if r.existing_prefix is None else r.existing_prefix.length
+            tokens = self._check_request(r.tokens, len(r.tokens), base, r.max_tokens)
+            checked.append(tokens)
+        out: list[Prefix | None] = [None] * len(requests)
+        shared: dict[tuple[int, ...], list[int]] = {}
+        for i, (r, tokens) in enumerate(zip(requests, checked)):
+            if r.existing_prefix is None and len(tokens) <= self._max_prefill:
+                shared.setdefault(tuple(tokens.tolist()), []).append(i)
+            else:
+                cache, logits = self._prefill_chunked(params, tokens, r.existing_prefix)
+                base = 0 if r.existing_prefix is None else r.existing_prefix.length
+                out[i] = self._make_prefix(cache, logits, r, base + len(tokens))
+        rows: dict[tuple[int, ...], tuple[Any, jax.Array]] = {}
+        cacheable = self._prompt_cache_entries > 0 and params is self._params
+        with self._lock:
+            for prompt in shared:
+                hit = self._prompt_cache.get(prompt) if cacheable and params is self._params else None
+                if hit is not None:
+                    self._prompt_cache.move_to_end(prompt)
+                    rows[prompt] = hit
+        todo = [p for p in shared if p not in rows]
+        by_bucket: dict[int, list[tuple[int, ...]]] = {}
+        for p in todo:
+            by_bucket.setdefault(self.bucket(len(p)), []).append(p)
+        for width, prompts in sorted(by_bucket.items()):
+            for c in range(0, len(prompts), self._max_prefill_batch):
+                chunk = prompts[c : c + self._max_prefill_batch]
+                b = _next_pow2(len(chunk))
+                tokens_BxT = np.zeros((b, width), np.int32)
+                true_len_B = np.zeros((b,), np.int32)
+                for j, p in enumerate(chunk):
+                    tokens_BxT[j, : len(p)] = p
+                    true_len_B[j] = len(p)
+                self.prefill_counts["calls"] += 1
+                self.prefill_counts["rows"] += len(chunk)
+                cache_B, logits_BxV = self._prefill_fresh_jit(
+                    params, jnp.asarray(tokens_BxT), jnp.asarray(true_len_B), self.attend_length(width)
+                )
+                for j, p in enumerate(chunk):
+                    rows[p] = (
+                        (cache_B, logits_BxV) if b == 1 else self._row_jit(cache_B, logits_BxV, jnp.int32(j))
+                    )
+                if cacheable:
+                    with self._lock:
+                        if params is self._params:  # not swapped meanwhile (that clears the cache)
+                            for p in chunk:
+                                self._prompt_cache[p] = rows[p]
+                            while len(self._prompt_cache) > self._prompt_cache_entries:
+                                self._prompt_cache.popitem(last=False)
+        for prompt, members in shared.items():
+            cache, logits = rows[prompt]
+            self.prefill_counts["forked"] += len(members) - (prompt in todo)
+            for i in members:
+                out[i] = self._make_prefix(cache, logits, requests[i], len(prompt))
+        return out  # type: ignore[return-value]
 
     def prefill(
         self,
@@ -324,67 +566,17 @@ class Engine(EngineAPI):
         """
         if sampler is not None:
             raise ConfigError("Engine.prefill: custom samplers are not supported; pass sampling_params")
-        tokens = np.asarray(padded_tokens)
-        if tokens.ndim == 2 and tokens.shape[0] == 1:
-            tokens = tokens[0]
-        if tokens.ndim != 1:
-            raise ConfigError(
-                f"prefill: padded_tokens must be 1-D or [1, T], got shape {np.shape(padded_tokens)}"
-            )
-        true_length = int(true_length)
-        if not 1 <= true_length <= tokens.shape[0]:
-            raise ConfigError(f"prefill: true_length={true_length} outside [1, {tokens.shape[0]}]")
-        if np.any(tokens[:true_length] < 0) or np.any(tokens[:true_length] >= self.vocab_size):
-            raise ConfigError(f"prefill: token ids must lie in [0, {self.vocab_size})")
         base = 0 if existing_prefix is None else existing_prefix.length
-        if base + true_length >= self._max_len:
-            raise ConfigError(
-                f"prefill: {base} cached + {true_length} new tokens leave no room to generate in "
-                f"max_cache_length={self._max_len}"
-            )
-        sp = sampling_params or self.default_sampling
-        if max_tokens is not None and (
-            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
-        ):
-            raise ConfigError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        max_tokens = self._max_len if max_tokens is None else max_tokens
-        stop = self._stop_array(stop_token_ids)
-        key_1 = sampling.request_key(sp.seed)[None]
-        temperature_1 = jnp.full((1,), sp.temperature, jnp.float32)
-        top_k_1 = jnp.full((1,), sp.top_k, jnp.int32)
-        top_p_1 = jnp.full((1,), sp.top_p, jnp.float32)
-        if existing_prefix is None:
-            if self._empty_prefix_cache is None:
-                self._empty_prefix_cache = self._init_cache(1)
-            cache = self._empty_prefix_cache
-        else:
-            cache = existing_prefix.cache
-        # Chunk long inputs; each chunk runs on its own power-of-two bucket.
-        start = 0
-        while start < true_length:
-            n = min(true_length - start, self._max_prefill)
-            width = self.bucket(n)
-            chunk = np.zeros((1, width), np.int32)
-            chunk[0, :n] = tokens[start : start + n]
-            cache, token_1, logprob_1 = self._prefill_jit(
-                params, cache, jnp.asarray(chunk), jnp.int32(n), key_1, temperature_1, top_k_1, top_p_1
-            )
-            start += n
-        prefix = Prefix(
-            cache=cache,
-            token=token_1,
-            log_prob=logprob_1,
-            key=key_1,
-            temperature=temperature_1,
-            top_k=top_k_1,
-            top_p=top_p_1,
-            max_tokens=jnp.full((1,), max_tokens, jnp.int32),
-            stop_ids=jnp.asarray(stop),
-            length=base + true_length,
-        )
-        data = jnp.stack([token_1, jnp.ones((1,), jnp.int32), jnp.ones((1,), jnp.int32)], axis=-1)
-        result = ResultTokens(data, _TOKENS, _VALID, _LENGTHS, 1, log_prob=logprob_1[:, None])
-        return prefix, result
+        tokens = self._check_request(padded_tokens, int(true_length), base, max_tokens)
+        req = PrefillRequest(tokens.tolist(), sampling_params, max_tokens, stop_token_ids, existing_prefix)
+        (prefix,) = self.prefill_many(params, [req])
+        return prefix, self.first_result(prefix)
+
+    @staticmethod
+    def first_result(prefix: Prefix) -> ResultTokens:
+        """A prefix's first token as JetStream's ResultTokens (one slot, one token)."""
+        data = jnp.stack([prefix.token, jnp.ones((1,), jnp.int32), jnp.ones((1,), jnp.int32)], axis=-1)
+        return ResultTokens(data, _TOKENS, _VALID, _LENGTHS, 1, log_prob=prefix.log_prob[:, None])
 
     # ----------------------------------------------------------------- insert / extract
     def _set_row(self, big, small, slot):
@@ -476,9 +668,7 @@ class Engine(EngineAPI):
         return self._deactivate_jit(decode_state, jnp.int32(slot))
 
     # ----------------------------------------------------------------- generate
-    def _generate_impl(self, params, state: DecodeState):
-        self.trace_counts["generate"] += 1
-        model = nnx.merge(self._graphdef, params)
+    def _decode_step(self, model, state: DecodeState):
         active_S = state.active
         hidden_Sx1xD, cache = model.hidden_states(
             state.tokens[:, None], segment_ids=active_S[:, None].astype(jnp.int32), cache=state.cache
@@ -493,22 +683,79 @@ class Engine(EngineAPI):
         # The new token must be fed next step; a full cache has nowhere to put it.
         full_S = cache.lengths >= self._max_len
         done_S = stopped_S | (generated_S >= state.max_tokens) | full_S
-        out_tokens_S = jnp.where(active_S, tokens_S, 0)
-        data_Sx3 = jnp.stack([out_tokens_S, active_S.astype(jnp.int32), generated_S], axis=-1)
-        result = ResultTokens(
-            data_Sx3, _TOKENS, _VALID, _LENGTHS, 1, log_prob=jnp.where(active_S, logprobs_S, 0.0)[:, None]
-        )
         new_state = state.replace(
             cache=cache,
             tokens=jnp.where(active_S, tokens_S, state.tokens),
             generated=generated_S,
             active=active_S & ~done_S,
         )
+        out = (jnp.where(active_S, tokens_S, 0), active_S, jnp.where(active_S, logprobs_S, 0.0), generated_S)
+        return new_state, out
+
+    def _generate_impl(self, params, state: DecodeState):
+        self.trace_counts["generate"] += 1
+        model = nnx.merge(self._graphdef, params)
+        new_state, (tokens_S, active_S, logprobs_S, generated_S) = self._decode_step(model, state)
+        data_Sx3 = jnp.stack([tokens_S, active_S.astype(jnp.int32), generated_S], axis=-1)
+        result = ResultTokens(data_Sx3, _TOKENS, _VALID, _LENGTHS, 1, log_prob=logprobs_S[:, None])
         return new_state, result
 
     def generate(
         self, params: Any, decode_state: DecodeState, sampler: Any | None = None
     ) -> tuple[DecodeState, ResultTokens]:
+        """One decode step over every slot (JetStream's call); ``generate_block`` runs several."""
         if sampler is not None:
             raise ConfigError("Engine.generate: custom samplers are not supported")
         return self._generate_jit(params, decode_state)
+
+    def _generate_block_impl(self, params, state: DecodeState, steps, attend: int):
+        """Up to ``steps`` (traced, at most ``decode_steps``: one compile per ``attend``) decode steps;
+        the loop ends early once no slot is decoding."""
+        self.trace_counts[f"generate_block_{attend}"] += 1
+        model = nnx.merge(self._graphdef, params)
+        full = state.cache
+        K, S = self.decode_steps, self._slots
+        bufs = (
+            jnp.zeros((K, S), jnp.int32),
+            jnp.zeros((K, S), bool),
+            jnp.zeros((K, S), jnp.float32),
+            jnp.zeros((K, S), jnp.int32),
+        )
+
+        def cond(carry):
+            j, st, _ = carry
+            return (j < steps) & jnp.any(st.active)
+
+        def body(carry):
+            j, st, bufs = carry
+            st, outs = self._decode_step(model, st)
+            bufs = tuple(jax.lax.dynamic_update_index_in_dim(b, o, j, axis=0) for b, o in zip(bufs, outs))
+            return j + 1, st, bufs
+
+        init = (jnp.int32(0), state.replace(cache=self._narrow(full, attend)), bufs)
+        _, small, (tokens_KxS, valid_KxS, logprobs_KxS, generated_KxS) = jax.lax.while_loop(cond, body, init)
+        new_state = small.replace(cache=self._widen(small.cache, full))
+        return new_state, DecodeBlock(tokens_KxS, valid_KxS, logprobs_KxS, generated_KxS)
+
+    def _live_length_impl(self, state: DecodeState):
+        return jnp.max(jnp.where(state.active, state.cache.lengths, 0))
+
+    def generate_block(
+        self, params: Any, decode_state: DecodeState, steps: int | None = None, max_length: int | None = None
+    ) -> tuple[DecodeState, DecodeBlock]:
+        """``steps`` (default and at most ``decode_steps``) decode steps in one call, the same tokens
+        and logprobs as as many ``generate`` calls; the weights are ``params`` for the whole block.
+        The block's arrays always have ``decode_steps`` rows; rows past ``steps`` are not valid.
+
+        ``max_length``: the most tokens a decoding slot holds now (the caller's bookkeeping); read
+        from the device when not given. Attention reads a power-of-two bucket of it plus ``steps``.
+        """
+        steps = self.decode_steps if steps is None else steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= self.decode_steps:
+            raise ConfigError(
+                f"generate_block: steps must be an integer in [1, decode_steps={self.decode_steps}], got {steps!r}"
+            )
+        if max_length is None:
+            max_length = int(jax.device_get(self._live_length_jit(decode_state)))
+        attend = self.attend_length(int(max_length) + steps)
+        return self._block_jit(params, decode_state, jnp.int32(steps), attend)

@@ -1,10 +1,13 @@
 """Continuous batching over an :class:`Engine`: a request queue, a prefill thread, a generate thread.
 
-The prefill thread turns queued requests into prefixes (reusing a session's cached state for the
-next turn of a conversation, so only the new tokens are prefilled) and hands them over through a
-bounded queue. The generate thread inserts them into free slots between decode steps, runs one
-jitted step over all slots, and streams every token with its logprob and the policy version that
-produced it. A slot that finishes is refilled before the next step. Both queues are bounded, so a
+The prefill thread takes the queued requests (up to the engine's ``max_prefill_batch``) and turns
+them into prefixes in one ``Engine.prefill_many`` call: new prompts are prefilled batched, samples of
+one prompt share one prefill, and the next turn of a conversation reuses its session's cached state
+so only the new tokens are prefilled. Prefixes go to the generate thread through a bounded queue;
+it inserts them into free slots between decode blocks, runs a block of decode steps over all slots
+in one jitted call, and streams every token with its logprob and the policy version that produced
+it (weights change only between blocks). Tokens a slot produced after its stop (a stop string, a
+cancel) are discarded, never emitted. A slot that finishes is refilled before the next block. Both queues are bounded, so a
 producer that outruns the engine blocks (or gets :class:`EngineBusy`) instead of growing memory.
 """
 
@@ -18,9 +21,10 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
-from tmax_jax.engine.engine import Engine, Prefix
+from tmax_jax.engine.engine import Engine, PrefillRequest, Prefix, _next_pow2
 from tmax_jax.engine.sampling import SamplingParams
 from tmax_jax.errors import ConfigError, TmaxError
 
@@ -299,67 +303,113 @@ class Orchestrator:
         ids = self.engine.eos_token_ids if r.stop_token_ids is None else r.stop_token_ids
         return frozenset(int(t) for t in ids)
 
-    def _prefill_one(self, handle: RequestHandle) -> tuple[Prefix, int, float, int]:
+    def _session_start(self, handle: RequestHandle) -> tuple[Prefix | None, int]:
+        """The session's cached prefix and how many prompt tokens it holds (None, 0 if unusable)."""
         r = handle.request
+        if r.session_id is None:
+            return None, 0
         prompt = [int(t) for t in r.prompt]
-        existing, start = None, 0
-        if r.session_id is not None:
-            with self._sessions_lock:
-                sess = self._sessions.pop(r.session_id, None)
-            if (
-                sess is not None
-                and len(sess.tokens) < len(prompt)
-                and prompt[: len(sess.tokens)] == sess.tokens
-            ):
-                existing, start = sess.prefix, len(sess.tokens)
-        new = np.asarray(prompt[start:], np.int32)
+        with self._sessions_lock:
+            sess = self._sessions.pop(r.session_id, None)
+        if sess is not None and len(sess.tokens) < len(prompt) and prompt[: len(sess.tokens)] == sess.tokens:
+            return sess.prefix, len(sess.tokens)
+        return None, 0
+
+    def _prefill_batch(
+        self, handles: list[RequestHandle]
+    ) -> list[tuple[Prefix, int, float, int] | BaseException]:
+        """Prefill ``handles`` in one engine call; per handle (prefix, first token, logprob, version)
+        or the error that request raised (a bad one is retried alone so it fails alone)."""
+        reqs, starts = [], []
+        for h in handles:
+            existing, start = self._session_start(h)
+            r = h.request
+            reqs.append(
+                PrefillRequest(
+                    tokens=[int(t) for t in r.prompt[start:]],
+                    sampling_params=r.sampling,
+                    max_tokens=r.max_tokens,
+                    stop_token_ids=r.stop_token_ids,
+                    existing_prefix=existing,
+                )
+            )
+            starts.append(start)
         params, version = self.engine.current_params()
-        prefix, first = self.engine.prefill(
-            params=params,
-            existing_prefix=existing,
-            padded_tokens=new,
-            true_length=len(new),
-            sampling_params=r.sampling,
-            max_tokens=r.max_tokens,
-            stop_token_ids=r.stop_token_ids,
-        )
-        first = first.convert_to_numpy()
-        handle.cached_tokens = start
-        return prefix, int(first.data[0, 0]), float(first.log_prob[0, 0]), version
+        try:
+            prefixes = self.engine.prefill_many(params, reqs)
+        except Exception as e:  # noqa: BLE001 - isolate the request that caused it
+            if len(reqs) == 1:
+                return [e]
+            prefixes = []
+            for r in reqs:
+                try:
+                    prefixes.extend(self.engine.prefill_many(params, [r]))
+                except Exception as e1:  # noqa: BLE001
+                    prefixes.append(e1)
+        firsts = [None if isinstance(p, BaseException) else (p.token, p.log_prob) for p in prefixes]
+        firsts = jax.device_get(firsts)
+        out = []
+        for h, start, p, f in zip(handles, starts, prefixes, firsts):
+            if isinstance(p, BaseException):
+                out.append(p)
+                continue
+            h.cached_tokens = start
+            out.append((p, int(f[0][0]), float(f[1][0]), version))
+        return out
 
     def _prefill_loop(self) -> None:
         while self._live:
             handle = self._requests.get()
             if handle is None:
                 return
-            if handle.cancelled:
-                handle._finish("cancelled")
-                continue
-            self._prefilling += 1
-            try:
-                prefix, token, logprob, version = self._prefill_one(handle)
-            except Exception as e:  # this request's failure (e.g. a bad session prefix), not the engine's
-                handle._fail(e)
-                continue
-            finally:
-                self._prefilling -= 1
-            handle._emit(token, logprob, version)
-            live = _Live(handle, [int(t) for t in handle.request.prompt], self._stop_ids(handle.request))
-            reason, stop_string = self._finish_reason(live, prefix.length)
-            if reason is not None:
-                self._save_session(live, prefix)
-                handle._finish(reason, stop_string)
-                continue
-            while self._live:
+            batch, stop_after = [handle], False
+            while len(batch) < self.engine.max_prefill_batch:
                 try:
-                    self._prefilled.put((handle, prefix, live), timeout=0.1)
+                    more = self._requests.get_nowait()
+                except queue.Empty:
                     break
-                except queue.Full:
+                if more is None:
+                    stop_after = True
+                    break
+                batch.append(more)
+            todo = []
+            for h in batch:
+                if h.cancelled:
+                    h._finish("cancelled")
+                else:
+                    todo.append(h)
+            self._prefilling += len(todo)
+            try:
+                results = self._prefill_batch(todo) if todo else []
+            finally:
+                self._prefilling -= len(todo)
+            for h, res in zip(todo, results):
+                if isinstance(res, BaseException):  # this request's failure (e.g. a bad session prefix)
+                    h._fail(res)
                     continue
-            else:
-                # stop() came during this prefill: it drained the queues before this handle got
-                # there, so nobody else will finish it (its waiter would block forever).
-                handle._finish("cancelled")
+                self._hand_over(h, *res)
+            if stop_after:
+                return
+
+    def _hand_over(
+        self, handle: RequestHandle, prefix: Prefix, token: int, logprob: float, version: int
+    ) -> None:
+        handle._emit(token, logprob, version)
+        live = _Live(handle, [int(t) for t in handle.request.prompt], self._stop_ids(handle.request))
+        reason, stop_string = self._finish_reason(live, prefix.length)
+        if reason is not None:
+            self._save_session(live, prefix)
+            handle._finish(reason, stop_string)
+            return
+        while self._live:
+            try:
+                self._prefilled.put((handle, prefix, live), timeout=0.1)
+                return
+            except queue.Full:
+                continue
+        # stop() came during this prefill: it drained the queues before this handle got there, so
+        # nobody else will finish it (its waiter would block forever).
+        handle._finish("cancelled")
 
     def _finish_reason(self, live: _Live, cached: int) -> tuple[str | None, str | None]:
         """Why ``live`` ends after its latest token (mirrors the device-side checks), or None."""
@@ -429,34 +479,52 @@ class Orchestrator:
         self._slots[slot] = None
         live.handle._finish(reason, stop_string)
 
+    def _block_steps(self) -> int:
+        """Decode steps for the next block: the engine's ``decode_steps``, fewer (a power of two) when
+        every live request ends sooner, 1 while a session request with stop strings decodes (a stop
+        string found mid-block would leave tokens past it in the cache its next turn reuses)."""
+        eng = self.engine
+        live = [s for s in self._slots if s is not None]
+        if any(s.handle.request.stop and s.handle.request.session_id is not None for s in live):
+            return 1
+        remaining = max(s.handle.request.max_tokens - len(s.handle.tokens) for s in live)
+        return max(1, min(eng.decode_steps, _next_pow2(max(remaining, 1))))
+
     def _generate_loop(self) -> None:
         eng = self.engine
         while self._live:
             self._admit()
             if not self._live:
                 return
-            # Cancellations between steps free their slots before spending compute on them.
+            # Cancellations between blocks free their slots before spending compute on them.
             for slot, live in enumerate(self._slots):
                 if live is not None and live.handle.cancelled:
                     self._release(slot, live, "cancelled", None, device_done=False)
             if all(s is None for s in self._slots):
                 continue
+            steps = self._block_steps()
+            longest = max(len(s.prompt) + len(s.handle.tokens) - 1 for s in self._slots if s is not None)
             params, version = eng.current_params()
-            self._decode_state, result = eng.generate(params, self._decode_state)
-            result = result.convert_to_numpy()
-            self.steps += 1
-            for slot, live in enumerate(self._slots):
-                if live is None:
-                    continue
-                if not result.data[slot, 1]:
-                    raise TmaxError(
-                        f"slot {slot} was not decoding although request {live.handle.id} holds it"
-                    )
-                live.handle._emit(int(result.data[slot, 0]), float(result.log_prob[slot, 0]), version)
-                cached = len(live.prompt) + len(live.handle.tokens) - 1
-                reason, stop_string = self._finish_reason(live, cached)
-                if reason is None:
-                    continue
-                # The device stops a slot itself on stop tokens, max_tokens and a full cache.
-                device_done = reason == "length" or (reason == "stop" and stop_string is None)
-                self._release(slot, live, reason, stop_string, device_done)
+            self._decode_state, block = eng.generate_block(params, self._decode_state, steps, longest)
+            tokens, valid, logprobs = jax.device_get((block.tokens, block.valid, block.log_prob))
+            self.steps += steps
+            for j in range(steps):
+                if all(s is None for s in self._slots):
+                    break
+                for slot, live in enumerate(self._slots):
+                    if live is None:
+                        continue
+                    if not valid[j, slot]:
+                        raise TmaxError(
+                            f"slot {slot} was not decoding although request {live.handle.id} holds it"
+                        )
+                    live.handle._emit(int(tokens[j, slot]), float(logprobs[j, slot]), version)
+                    cached = len(live.prompt) + len(live.handle.tokens) - 1
+                    reason, stop_string = self._finish_reason(live, cached)
+                    if reason is None:
+                        continue
+                    # The device stops a slot itself on stop tokens, max_tokens and a full cache; a
+                    # slot the host stops keeps decoding to the end of the block, and those tokens
+                    # are dropped here with the slot.
+                    device_done = reason == "length" or (reason == "stop" and stop_string is None)
+                    self._release(slot, live, reason, stop_string, device_done)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from tmax_jax.errors import ConfigError
+from tmax_jax.rl.logprobs import logprobs_from_logits
 
 # Temperatures at or below this are treated as greedy; dividing by them would overflow float32.
 GREEDY_EPS = 1e-5
@@ -41,11 +42,15 @@ class SamplingParams:
 
 def token_logprob(logits_SxV: jax.Array, tokens_S: jax.Array, temperature_S: jax.Array) -> jax.Array:
     """float32 log-softmax(logits / T) at ``tokens`` (plain logits where T is greedy)."""
-    logits_SxV = logits_SxV.astype(jnp.float32)
-    greedy_S = temperature_S <= GREEDY_EPS
-    safe_t_S = jnp.where(greedy_S, 1.0, temperature_S).astype(jnp.float32)
-    logp_SxV = jax.nn.log_softmax(logits_SxV / safe_t_S[:, None], axis=-1)
-    return jnp.take_along_axis(logp_SxV, tokens_S[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    return logprobs_from_logits(logits_SxV, tokens_S, temperature_S)
+
+
+# Rows that ask only for top-k with k up to this take a partial top-k (no sort of the vocabulary).
+PARTIAL_TOP_K = 256
+
+
+def _threshold_filter(scaled_SxV: jax.Array, threshold_S: jax.Array) -> jax.Array:
+    return jnp.where(scaled_SxV >= threshold_S[:, None], scaled_SxV, -jnp.inf)
 
 
 def filter_logits(scaled_SxV: jax.Array, top_k_S: jax.Array, top_p_S: jax.Array) -> jax.Array:
@@ -62,7 +67,25 @@ def filter_logits(scaled_SxV: jax.Array, top_k_S: jax.Array, top_p_S: jax.Array)
     n_keep_S = jnp.maximum(jnp.sum(in_nucleus_SxV, axis=-1), 1)
     pth_S = jnp.take_along_axis(sorted_SxV, (n_keep_S - 1)[:, None], axis=-1)[:, 0]
     threshold_S = jnp.maximum(kth_S, jnp.where(top_p_S >= 1.0, -jnp.inf, pth_S))
-    return jnp.where(scaled_SxV >= threshold_S[:, None], scaled_SxV, -jnp.inf)
+    return _threshold_filter(scaled_SxV, threshold_S)
+
+
+def filter_top_k_partial(scaled_SxV: jax.Array, top_k_S: jax.Array, max_k: int) -> jax.Array:
+    """:func:`filter_logits` for rows without top-p whose ``top_k <= max_k`` (0 = off), from a
+    partial ``lax.top_k`` of ``max_k`` instead of a sort: the k-th largest value is the same."""
+    vocab = scaled_SxV.shape[-1]
+    max_k = min(max_k, vocab)
+    top_SxK, _ = jax.lax.top_k(scaled_SxV, max_k)
+    k_S = jnp.clip(top_k_S, 1, max_k)
+    kth_S = jnp.take_along_axis(top_SxK, (k_S - 1)[:, None], axis=-1)[:, 0]
+    return _threshold_filter(scaled_SxV, jnp.where(top_k_S <= 0, -jnp.inf, kth_S))
+
+
+def _filter_kind(top_k_S: jax.Array, top_p_S: jax.Array, vocab: int) -> jax.Array:
+    """0: no row filters; 1: only top-k rows within the partial bound; 2: the full sort."""
+    wants_S = (top_k_S > 0) | (top_p_S < 1.0)
+    partial_ok = jnp.all((top_p_S >= 1.0) & (top_k_S <= min(PARTIAL_TOP_K, vocab)))
+    return jnp.where(jnp.any(wants_S), jnp.where(partial_ok, 1, 2), 0)
 
 
 def sample(
@@ -75,21 +98,31 @@ def sample(
     """Draw one token per row; returns (tokens int32 [S], logprobs float32 [S]).
 
     ``keys_S`` holds one typed PRNG key per row, so a row's draw does not depend on its neighbours
-    (continuous batching gives the same samples as one request at a time).
+    (continuous batching gives the same samples as one request at a time). The vocabulary is sorted
+    only when a row asks for top-p (or a top-k past :data:`PARTIAL_TOP_K`), and no random draw is
+    made when every row is greedy; either way the tokens are those of the full computation.
     """
     logits_SxV = logits_SxV.astype(jnp.float32)
+    vocab = logits_SxV.shape[-1]
     greedy_S = temperature_S <= GREEDY_EPS
     safe_t_S = jnp.where(greedy_S, 1.0, temperature_S).astype(jnp.float32)
     scaled_SxV = logits_SxV / safe_t_S[:, None]
-    needs_filter = jnp.any((top_k_S > 0) | (top_p_S < 1.0))
-    # The sort behind top-k/top-p costs more than the rest of sampling; skip it when no row asks.
-    filtered_SxV = jax.lax.cond(
-        needs_filter, lambda x: filter_logits(x, top_k_S, top_p_S), lambda x: x, scaled_SxV
-    )
-    drawn_S = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys_S, filtered_SxV)
+
+    def draw(scaled):
+        filtered = jax.lax.switch(
+            _filter_kind(top_k_S, top_p_S, vocab),
+            [
+                lambda x: x,
+                lambda x: filter_top_k_partial(x, top_k_S, PARTIAL_TOP_K),
+                lambda x: filter_logits(x, top_k_S, top_p_S),
+            ],
+            scaled,
+        )
+        return jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys_S, filtered).astype(jnp.int32)
+
+    drawn_S = jax.lax.cond(jnp.all(greedy_S), lambda x: jnp.zeros(x.shape[:1], jnp.int32), draw, scaled_SxV)
     tokens_S = jnp.where(greedy_S, jnp.argmax(logits_SxV, axis=-1), drawn_S).astype(jnp.int32)
-    logp_SxV = jax.nn.log_softmax(scaled_SxV, axis=-1)
-    logprobs_S = jnp.take_along_axis(logp_SxV, tokens_S[:, None], axis=-1)[:, 0]
+    logprobs_S = logprobs_from_logits(logits_SxV, tokens_S, temperature_S)
     return tokens_S, logprobs_S
 
 

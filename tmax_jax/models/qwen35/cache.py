@@ -70,3 +70,18 @@ class Qwen35Cache:
             conv=clear(self.conv),
             recurrent=clear(self.recurrent),
         )
+
+    def narrow(self, length: int) -> Qwen35Cache:
+        """The same cache with the KV arrays cut to their first ``length`` positions (static), so that
+        attention reads only that many keys. Rows must hold fewer than ``length`` tokens after the
+        calls that use it; write the result back with :meth:`widen_into`."""
+        if length >= self.max_len:
+            return self
+        return self.replace(k=self.k[:, :, :length], v=self.v[:, :, :length])
+
+    def widen_into(self, full: Qwen35Cache) -> Qwen35Cache:
+        """This (narrowed) cache written into ``full``'s KV arrays; the other leaves are this one's."""
+        if self.max_len == full.max_len:
+            return self
+        put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), 0, axis=2)  # noqa: E731
+        return self.replace(k=put(full.k, self.k), v=put(full.v, self.v))
