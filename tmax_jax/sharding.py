@@ -42,6 +42,10 @@ DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
     ("lin_dim", "tensor"),
     ("conv_kernel", None),
     ("norm", None),
+    # MoE: experts are split over fsdp (expert parallelism on the data-parallel devices: each holds
+    # whole experts, not slices of every expert); the router's expert axis is small and replicated.
+    ("expert", "fsdp"),
+    ("expert_logits", None),
 )
 
 

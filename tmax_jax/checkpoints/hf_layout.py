@@ -33,8 +33,9 @@ def _t(x, cfg):
     return x.T
 
 
-def _q_in(x, cfg):  # [Hq*2hd, D] -> [D, Hq, 2hd]
-    return x.T.reshape(cfg.hidden_size, cfg.num_attention_heads, 2 * cfg.head_dim)
+def _q_in(x, cfg):  # [Hq*2hd, D] -> [D, Hq, 2hd] (Qwen3, no output gate: [Hq*hd, D] -> [D, Hq, hd])
+    width = (2 if cfg.attn_output_gate else 1) * cfg.head_dim
+    return x.T.reshape(cfg.hidden_size, cfg.num_attention_heads, width)
 
 
 def _q_out(x, cfg):
@@ -84,13 +85,71 @@ DELTANET_RULES = (
     Rule("linear_attn.norm.weight", ("linear_attn", "norm"), _same, _same),
     Rule("linear_attn.out_proj.weight", ("linear_attn", "out_proj"), _t, _t),
 )
-COMMON_RULES = (
+
+
+def _gate_up_in(x, cfg):  # fused [E, 2I, D] (gate rows, then up rows) -> [E, D, 2, I]
+    E, I = cfg.num_experts, cfg.moe_intermediate_size
+    return x.reshape(E, 2, I, cfg.hidden_size).transpose(0, 3, 1, 2)
+
+
+def _gate_up_out(x, cfg):
+    E, I = cfg.num_experts, cfg.moe_intermediate_size
+    return x.transpose(0, 2, 3, 1).reshape(E, 2 * I, cfg.hidden_size)
+
+
+def _experts_t(x, cfg):  # [E, out, in] <-> [E, in, out]
+    return x.transpose(0, 2, 1)
+
+
+def _row_in(x, cfg):  # [1, D] -> [D]
+    return x[0]
+
+
+def _row_out(x, cfg):
+    return x[None]
+
+
+NORM_RULES = (
     Rule("input_layernorm.weight", ("input_layernorm",), _same, _same),
     Rule("post_attention_layernorm.weight", ("post_attention_layernorm",), _same, _same),
+)
+DENSE_MLP_RULES = (
     Rule("mlp.gate_proj.weight", ("mlp", "gate_proj"), _t, _t),
     Rule("mlp.up_proj.weight", ("mlp", "up_proj"), _t, _t),
     Rule("mlp.down_proj.weight", ("mlp", "down_proj"), _t, _t),
 )
+COMMON_RULES = NORM_RULES + DENSE_MLP_RULES
+# Experts as transformers holds them (fused 3-D tensors); per-expert checkpoints
+# (``mlp.experts.{e}.gate_proj.weight`` ...) are assembled into these by the loader.
+GATE_UP = "mlp.experts.gate_up_proj"
+DOWN = "mlp.experts.down_proj"
+MOE_RULES = (
+    Rule("mlp.gate.weight", ("mlp", "router"), _t, _t),
+    Rule(GATE_UP, ("mlp", "gate_up_proj"), _gate_up_in, _gate_up_out),
+    Rule(DOWN, ("mlp", "down_proj"), _experts_t, _experts_t),
+)
+SHARED_EXPERT_RULES = (
+    Rule("mlp.shared_expert.gate_proj.weight", ("mlp", "shared_expert", "gate_proj"), _t, _t),
+    Rule("mlp.shared_expert.up_proj.weight", ("mlp", "shared_expert", "up_proj"), _t, _t),
+    Rule("mlp.shared_expert.down_proj.weight", ("mlp", "shared_expert", "down_proj"), _t, _t),
+    Rule("mlp.shared_expert_gate.weight", ("mlp", "shared_expert_gate"), _row_in, _row_out),
+)
+
+
+def mlp_rules(cfg: Qwen35Config) -> tuple[Rule, ...]:
+    if not cfg.is_moe:
+        return DENSE_MLP_RULES
+    return MOE_RULES + (SHARED_EXPERT_RULES if cfg.shared_expert_intermediate_size else ())
+
+
+def per_expert_names(fused_name: str, num_experts: int) -> list[tuple[str, ...]] | None:
+    """For a fused expert tensor name, the per-expert tensor names that hold the same values, one
+    tuple per expert (gate_up: (gate, up), concatenated along rows; down: (down,)); else None."""
+    for fused, parts in ((GATE_UP, ("gate_proj", "up_proj")), (DOWN, ("down_proj",))):
+        if fused_name.endswith(fused):
+            stem = fused_name[: -len(fused)] + "mlp.experts."
+            return [tuple(f"{stem}{e}.{part}.weight" for part in parts) for e in range(num_experts)]
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +166,7 @@ def layer_params(cfg: Qwen35Config, prefix: str) -> Iterator[StackedParam]:
     pattern = cfg.layer_pattern
     P = len(pattern)
     for p, kind in enumerate(pattern):
-        rules = COMMON_RULES + (ATTENTION_RULES if kind == FULL else DELTANET_RULES)
+        rules = NORM_RULES + mlp_rules(cfg) + (ATTENTION_RULES if kind == FULL else DELTANET_RULES)
         for rule in rules:
             names = tuple(f"{prefix}layers.{g * P + p}.{rule.hf_suffix}" for g in range(cfg.num_groups))
             yield StackedParam(("blocks", "layers", p, *rule.ours), rule, names, True)

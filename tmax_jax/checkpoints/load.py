@@ -1,4 +1,5 @@
-"""Load a local Hugging Face Qwen 3.5 checkpoint directory into ``Qwen35ForCausalLM``.
+"""Load a local Hugging Face checkpoint directory (Qwen 3.5 dense or MoE, text or VLM layout; Qwen3
+dense) into ``Qwen35ForCausalLM``.
 
 Streams one parameter at a time (the stacked slices of one parameter, then its device placement),
 so host RAM never holds much more than the largest stacked parameter.
@@ -16,7 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tmax_jax.checkpoints.hf_layout import IGNORED_PREFIXES, TEXT_PREFIX, VLM_PREFIX, StackedParam, all_params
+from tmax_jax.checkpoints.hf_layout import (
+    IGNORED_PREFIXES,
+    TEXT_PREFIX,
+    VLM_PREFIX,
+    StackedParam,
+    all_params,
+    per_expert_names,
+)
 from tmax_jax.checkpoints.safetensors_io import SafetensorsFile
 from tmax_jax.errors import CheckpointError, ConfigError
 from tmax_jax.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
@@ -98,6 +106,13 @@ def load_hf(
 
     expected = {n for p in params for n in p.hf_names}
     available = {n for n in files if not n.startswith(IGNORED_PREFIXES)}
+    # Experts stored one tensor per expert (the older layout) stand in for the fused 3-D tensors.
+    assembled: dict[str, list[tuple[str, ...]]] = {}
+    for name in expected - available:
+        parts = per_expert_names(name, cfg.num_experts) if cfg.is_moe else None
+        if parts and all(n in available for group in parts for n in group):
+            assembled[name] = parts
+    available = (available - {n for parts in assembled.values() for g in parts for n in g}) | set(assembled)
     missing = sorted(expected - available)
     if missing:
         hint = (
@@ -125,6 +140,8 @@ def load_hf(
     opened: dict[Path, SafetensorsFile] = {}
 
     def read(name: str) -> np.ndarray:
+        if name in assembled:  # [E, rows, in]: each expert's tensors concatenated along rows
+            return np.stack([np.concatenate([read(n) for n in group], axis=0) for group in assembled[name]])
         f = files[name]
         if f not in opened:
             opened[f] = SafetensorsFile(f)

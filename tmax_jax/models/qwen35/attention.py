@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from tmax_jax.models.qwen35.config import Qwen35Config
 from tmax_jax.models.qwen35.flash_attention import MASKED, flash_attention
-from tmax_jax.models.qwen35.norms import zero_centred_rms_norm
+from tmax_jax.models.qwen35.norms import norm_init_value, rms_norm
 from tmax_jax.models.qwen35.params import constant, make_param, normal
 from tmax_jax.models.qwen35.rope import apply_partial_rope
 
@@ -122,9 +122,17 @@ class GatedAttention(nnx.Module):
         self.head_dim = hd
         self.eps = cfg.rms_norm_eps
         self.query_block = QUERY_BLOCK
-        # Query and output gate come out of one projection, interleaved per head: [q_h | gate_h].
+        self.gated = cfg.attn_output_gate
+        self.zero_centred = cfg.zero_centred_norms
+        # Query and output gate come out of one projection, interleaved per head: [q_h | gate_h]
+        # (Qwen3 has no gate: the query alone).
         self.q_proj = make_param(
-            rngs, init, (D, Hq, 2 * hd), ("embed", "q_heads", "head_dim"), param_dtype, stack
+            rngs,
+            init,
+            (D, Hq, (2 if self.gated else 1) * hd),
+            ("embed", "q_heads", "head_dim"),
+            param_dtype,
+            stack,
         )
         self.k_proj = make_param(
             rngs, init, (D, Hkv, hd), ("embed", "kv_heads", "head_dim"), param_dtype, stack
@@ -135,8 +143,9 @@ class GatedAttention(nnx.Module):
         self.o_proj = make_param(
             rngs, init, (Hq, hd, D), ("q_heads", "head_dim", "embed"), param_dtype, stack
         )
-        self.q_norm = make_param(rngs, constant(0.0), (hd,), ("norm",), param_dtype, stack)
-        self.k_norm = make_param(rngs, constant(0.0), (hd,), ("norm",), param_dtype, stack)
+        norm_init = constant(norm_init_value(self.zero_centred))
+        self.q_norm = make_param(rngs, norm_init, (hd,), ("norm",), param_dtype, stack)
+        self.k_norm = make_param(rngs, norm_init, (hd,), ("norm",), param_dtype, stack)
 
     def __call__(
         self,
@@ -151,11 +160,11 @@ class GatedAttention(nnx.Module):
         dt, hd = self.dtype, self.head_dim
         B, T, _ = x_BxTxD.shape
         qg_BxTxHx2E = jnp.einsum("btd,dhe->bthe", x_BxTxD, self.q_proj[...].astype(dt))
-        q_BxTxHxE, gate_BxTxHxE = qg_BxTxHx2E[..., :hd], qg_BxTxHx2E[..., hd:]
+        q_BxTxHxE, gate_BxTxHxE = qg_BxTxHx2E[..., :hd], (qg_BxTxHx2E[..., hd:] if self.gated else None)
         k_BxTxGxE = jnp.einsum("btd,dhe->bthe", x_BxTxD, self.k_proj[...].astype(dt))
         v_BxTxGxE = jnp.einsum("btd,dhe->bthe", x_BxTxD, self.v_proj[...].astype(dt))
-        q_BxTxHxE = zero_centred_rms_norm(q_BxTxHxE, self.q_norm[...], self.eps)
-        k_BxTxGxE = zero_centred_rms_norm(k_BxTxGxE, self.k_norm[...], self.eps)
+        q_BxTxHxE = rms_norm(q_BxTxHxE, self.q_norm[...], self.eps, zero_centred=self.zero_centred)
+        k_BxTxGxE = rms_norm(k_BxTxGxE, self.k_norm[...], self.eps, zero_centred=self.zero_centred)
         q_BxTxHxE = apply_partial_rope(q_BxTxHxE, cos_BxTxR, sin_BxTxR)
         k_BxTxGxE = apply_partial_rope(k_BxTxGxE, cos_BxTxR, sin_BxTxR)
 
@@ -197,6 +206,8 @@ class GatedAttention(nnx.Module):
             block=self.query_block,
             causal_self=kv_cache is None,
         )
-        attn_BxTxHxE = attn_BxTxGxRxE.reshape(B, T, H, hd) * jax.nn.sigmoid(gate_BxTxHxE)
+        attn_BxTxHxE = attn_BxTxGxRxE.reshape(B, T, H, hd)
+        if self.gated:
+            attn_BxTxHxE = attn_BxTxHxE * jax.nn.sigmoid(gate_BxTxHxE)
         out_BxTxD = jnp.einsum("bthe,hed->btd", attn_BxTxHxE, self.o_proj[...].astype(dt))
         return out_BxTxD, new_cache

@@ -12,7 +12,8 @@ from tmax_jax.models.qwen35.attention import GatedAttention
 from tmax_jax.models.qwen35.config import FULL, Qwen35Config
 from tmax_jax.models.qwen35.deltanet import GatedDeltaNet
 from tmax_jax.models.qwen35.mlp import SwiGLU
-from tmax_jax.models.qwen35.norms import zero_centred_rms_norm
+from tmax_jax.models.qwen35.moe import SparseMoeBlock
+from tmax_jax.models.qwen35.norms import norm_init_value, rms_norm
 from tmax_jax.models.qwen35.params import constant, make_param
 
 
@@ -21,17 +22,20 @@ class DecoderLayer(nnx.Module):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, stack=stack)
         self.kind = kind
         self.eps = cfg.rms_norm_eps
+        self.zero_centred = cfg.zero_centred_norms
         D = cfg.hidden_size
-        self.input_layernorm = make_param(rngs, constant(0.0), (D,), ("norm",), param_dtype, stack)
-        self.post_attention_layernorm = make_param(rngs, constant(0.0), (D,), ("norm",), param_dtype, stack)
+        norm_init = constant(norm_init_value(self.zero_centred))
+        self.input_layernorm = make_param(rngs, norm_init, (D,), ("norm",), param_dtype, stack)
+        self.post_attention_layernorm = make_param(rngs, norm_init, (D,), ("norm",), param_dtype, stack)
         if kind == FULL:
             self.self_attn = GatedAttention(cfg, **kw)
         else:
             self.linear_attn = GatedDeltaNet(cfg, **kw)
-        self.mlp = SwiGLU(cfg, **kw)
+        self.is_moe = cfg.is_moe
+        self.mlp = SparseMoeBlock(cfg, **kw) if cfg.is_moe else SwiGLU(cfg, **kw)
 
     def __call__(self, x, ctx, layer_cache):
-        h = zero_centred_rms_norm(x, self.input_layernorm[...], self.eps)
+        h = rms_norm(x, self.input_layernorm[...], self.eps, zero_centred=self.zero_centred)
         if self.kind == FULL:
             with jax.named_scope("gated_attention"):
                 h, new_cache = self.self_attn(
@@ -46,7 +50,13 @@ class DecoderLayer(nnx.Module):
             with jax.named_scope("gated_deltanet"):
                 h, new_cache = self.linear_attn(h, ctx["segment_ids"], ctx["groups"], state=layer_cache)
         x = x + h
-        h = zero_centred_rms_norm(x, self.post_attention_layernorm[...], self.eps)
+        h = rms_norm(x, self.post_attention_layernorm[...], self.eps, zero_centred=self.zero_centred)
+        if self.is_moe:
+            with jax.named_scope("moe"):
+                h, stats = self.mlp(h, ctx["segment_ids"] > 0)
+            if ctx.get("router_stats") is not None:
+                ctx["router_stats"].append(stats)
+            return x + h, new_cache
         with jax.named_scope("mlp"):
             x = x + self.mlp(h)
         return x, new_cache

@@ -16,7 +16,24 @@ _LAYER_KINDS = (LINEAR, FULL)
 # HF model_types whose text decoder this config describes: the text CausalLM and the published VLM.
 TEXT_MODEL_TYPE = "qwen3_5_text"
 VLM_MODEL_TYPE = "qwen3_5"
-SUPPORTED_MODEL_TYPES = (TEXT_MODEL_TYPE, VLM_MODEL_TYPE)
+MOE_TEXT_MODEL_TYPE = "qwen3_5_moe_text"
+MOE_VLM_MODEL_TYPE = "qwen3_5_moe"
+QWEN3_MODEL_TYPE = "qwen3"  # Qwen3 dense: plain attention in every layer (tmax_jax.models.qwen3)
+VLM_MODEL_TYPES = (VLM_MODEL_TYPE, MOE_VLM_MODEL_TYPE)
+SUPPORTED_MODEL_TYPES = (
+    TEXT_MODEL_TYPE,
+    VLM_MODEL_TYPE,
+    MOE_TEXT_MODEL_TYPE,
+    MOE_VLM_MODEL_TYPE,
+    QWEN3_MODEL_TYPE,
+)
+
+# Architecture families this decoder implements. "qwen3_5": gated attention (sigmoid output gate,
+# partial RoPE), zero-centred RMSNorms, Gated DeltaNet layers. "qwen3": plain GQA attention with
+# q/k RMSNorm, ordinary weight-scaled RMSNorms, full attention in every layer.
+QWEN35 = "qwen3_5"
+QWEN3 = "qwen3"
+FAMILIES = (QWEN35, QWEN3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +69,22 @@ class Qwen35Config:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
+    family: str = QWEN35
+    # Mixture of experts (Qwen 3.5 MoE): 0 experts = the dense SwiGLU MLP in every layer. Otherwise
+    # every layer's MLP is a sparse block: softmax router, top-k experts of moe_intermediate_size,
+    # plus a shared expert of shared_expert_intermediate_size behind a sigmoid gate.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1
+    # Train-time coefficient of the load-balancing loss (HF field; tmax-jax's RL keeps it off unless
+    # the loss asks for it: see Qwen35ForCausalLM.router_aux_loss).
+    router_aux_loss_coef: float = 0.001
 
     def __post_init__(self):
         if not self.layer_types:
-            interval = self.full_attention_interval
+            interval = 1 if self.family == QWEN3 else self.full_attention_interval
             kinds = tuple(LINEAR if (i + 1) % interval else FULL for i in range(self.num_hidden_layers))
             object.__setattr__(self, "layer_types", kinds)
         else:
@@ -92,6 +121,25 @@ class Qwen35Config:
             )
         if self.kernels not in KERNEL_CHOICES:
             raise ConfigError(f"kernels={self.kernels!r}; expected one of {list(KERNEL_CHOICES)}")
+        if self.family not in FAMILIES:
+            raise ConfigError(f"family={self.family!r}; expected one of {list(FAMILIES)}")
+        if self.family == QWEN3 and self.num_linear_layers:
+            raise ConfigError("family='qwen3' has full attention in every layer; layer_types has linear ones")
+        if self.num_experts < 0:
+            raise ConfigError(f"num_experts={self.num_experts} must be >= 0")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ConfigError(
+                    f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]"
+                )
+            if self.moe_intermediate_size <= 0:
+                raise ConfigError(
+                    f"moe_intermediate_size={self.moe_intermediate_size} must be > 0 with experts"
+                )
+            if self.shared_expert_intermediate_size < 0:
+                raise ConfigError(
+                    f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} must be >= 0"
+                )
         _ = self.layer_pattern  # raises when layer_types is not periodic
 
     # Derived sizes -------------------------------------------------------------------------------
@@ -110,6 +158,20 @@ class Qwen35Config:
     @property
     def conv_dim(self) -> int:
         return 2 * self.lin_key_dim + self.lin_value_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def attn_output_gate(self) -> bool:
+        """Qwen 3.5 attention gates its output per head with a sigmoid (q_proj is twice as wide)."""
+        return self.family == QWEN35
+
+    @property
+    def zero_centred_norms(self) -> bool:
+        """Qwen 3.5 RMSNorms scale by (1 + w), weights stored around 0; Qwen3's by w, around 1."""
+        return self.family == QWEN35
 
     @property
     def layer_pattern(self) -> tuple[str, ...]:
@@ -156,19 +218,27 @@ class Qwen35Config:
             raise ConfigError(
                 f"unsupported model_type {model_type!r}; tmax-jax loads {list(SUPPORTED_MODEL_TYPES)}"
             )
+        if model_type == QWEN3_MODEL_TYPE:
+            from tmax_jax.models.qwen3.config import qwen3_from_hf_config
+
+            return qwen3_from_hf_config(d)
         # Tying follows the config transformers' model class reads for this layout:
         # Qwen3_5ForConditionalGeneration (VLM) reads the top level's tie_word_embeddings and never
         # text_config's; Qwen3_5ForCausalLM (text) reads its own. Both default to False. A checkpoint
         # that also holds lm_head.weight is never tied (load_hf; transformers keeps both tensors too).
         tie = bool(d.get("tie_word_embeddings", False))
-        if model_type == VLM_MODEL_TYPE:
+        if model_type in VLM_MODEL_TYPES:
             text = d.get("text_config")
             if not isinstance(text, Mapping):
-                raise ConfigError("model_type 'qwen3_5' config has no text_config mapping")
+                raise ConfigError(f"model_type {model_type!r} config has no text_config mapping")
             d = dict(text)
-        if d.get("num_experts") or d.get("num_experts_per_tok"):
+        moe = model_type in (MOE_TEXT_MODEL_TYPE, MOE_VLM_MODEL_TYPE)
+        if moe and not d.get("num_experts"):
+            raise ConfigError(f"model_type {model_type!r} config has no num_experts")
+        if not moe and (d.get("num_experts") or d.get("num_experts_per_tok")):
             raise ConfigError(
-                "Qwen 3.5 MoE configs (num_experts > 0) are not supported yet; dense models only"
+                f"model_type {model_type!r} has num_experts set; Qwen 3.5 MoE checkpoints are "
+                f"model_type {MOE_TEXT_MODEL_TYPE!r} or {MOE_VLM_MODEL_TYPE!r}"
             )
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -188,16 +258,36 @@ class Qwen35Config:
         kwargs["tie_word_embeddings"] = tie
         kwargs.pop("chunk_size", None)
         kwargs.pop("kernels", None)  # runtime choices are never read from a checkpoint
+        kwargs.pop("family", None)
+        if moe:
+            kwargs["intermediate_size"] = 0  # no dense MLP in a MoE decoder
         return cls(**kwargs)
 
     def to_hf_config(self) -> dict[str, Any]:
-        """A config.json dict for transformers' Qwen3_5ForCausalLM (text layout)."""
+        """A config.json dict for transformers' Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM (text
+        layout) or Qwen3ForCausalLM."""
+        if self.family == QWEN3:
+            from tmax_jax.models.qwen3.config import qwen3_to_hf_config
+
+            return qwen3_to_hf_config(self)
+        if self.is_moe:
+            sizes = {
+                "moe_intermediate_size": self.moe_intermediate_size,
+                "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
+                "num_experts": self.num_experts,
+                "num_experts_per_tok": self.num_experts_per_tok,
+                "router_aux_loss_coef": self.router_aux_loss_coef,
+            }
+            if not self.norm_topk_prob:
+                raise ConfigError("Qwen3_5MoeForCausalLM always renormalises top-k weights (norm_topk_prob)")
+        else:
+            sizes = {"intermediate_size": self.intermediate_size}
         return {
-            "architectures": ["Qwen3_5ForCausalLM"],
-            "model_type": TEXT_MODEL_TYPE,
+            "architectures": ["Qwen3_5MoeForCausalLM" if self.is_moe else "Qwen3_5ForCausalLM"],
+            "model_type": MOE_TEXT_MODEL_TYPE if self.is_moe else TEXT_MODEL_TYPE,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
+            **sizes,
             "num_hidden_layers": self.num_hidden_layers,
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
@@ -290,6 +380,88 @@ PRESETS: dict[str, Qwen35Config] = {
         linear_num_value_heads=48,
         tie_word_embeddings=False,
         eos_token_id=248044,
+    ),
+    # Published MoE shapes (Qwen/Qwen3.5-*-A*B), text decoder only: 256 experts, 8 routed per token
+    # plus one gated shared expert in every layer, 3 Gated DeltaNet + 1 gated attention per period.
+    "35b-a3b": _dense(
+        hidden_size=2048,
+        intermediate_size=0,
+        num_hidden_layers=40,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        eos_token_id=248044,
+    ),
+    "122b-a10b": _dense(
+        hidden_size=3072,
+        intermediate_size=0,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=2,
+        linear_num_key_heads=16,
+        linear_num_value_heads=64,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=1024,
+        shared_expert_intermediate_size=1024,
+        eos_token_id=248044,
+    ),
+    # Qwen3 dense (Qwen/Qwen3-8B): full attention with q/k RMSNorm in every layer, full-width RoPE.
+    "qwen3-8b": Qwen35Config(
+        family=QWEN3,
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        partial_rotary_factor=1.0,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    ),
+    # Tiny MoE and Qwen3 shapes for CPU tests and demos.
+    "tiny-moe": Qwen35Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=0,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        rope_theta=10_000.0,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+    ),
+    "tiny-qwen3": Qwen35Config(
+        family=QWEN3,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        partial_rotary_factor=1.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        rope_theta=10_000.0,
     ),
     # A few seconds to compile on a laptop CPU; same structure as the real ones (3 linear + 1 full).
     "tiny": Qwen35Config(

@@ -88,8 +88,18 @@ chunked_swiglu.defvjp(_chunked_fwd, _chunked_bwd)
 
 
 class SwiGLU(nnx.Module):
-    def __init__(self, cfg: Qwen35Config, *, dtype, param_dtype, rngs: nnx.Rngs, stack: int | None = None):
-        D, I = cfg.hidden_size, cfg.intermediate_size
+    def __init__(
+        self,
+        cfg: Qwen35Config,
+        *,
+        dtype,
+        param_dtype,
+        rngs: nnx.Rngs,
+        stack: int | None = None,
+        intermediate_size: int | None = None,  # default cfg.intermediate_size (MoE shared expert: its own)
+    ):
+        D = cfg.hidden_size
+        I = cfg.intermediate_size if intermediate_size is None else intermediate_size
         init = normal(cfg.initializer_range)
         self.dtype = dtype
         self.chunk = MLP_CHUNK

@@ -14,10 +14,11 @@ from tmax_jax.errors import ConfigError
 from tmax_jax.models.qwen35.block import PatternBlock, recompute_in_backward
 from tmax_jax.models.qwen35.cache import Qwen35Cache
 from tmax_jax.models.qwen35.config import Qwen35Config
-from tmax_jax.models.qwen35.norms import zero_centred_rms_norm
-from tmax_jax.models.qwen35.numerics import f32_matmul_precision
+from tmax_jax.models.qwen35.moe import RouterStats
+from tmax_jax.models.qwen35.norms import norm_init_value, rms_norm
 from tmax_jax.models.qwen35.params import constant, make_param, normal
 from tmax_jax.models.qwen35.rope import rope_cos_sin
+from tmax_jax.rl.logprobs import head_logits
 
 f32 = jnp.float32
 _REMAT_POLICIES = {
@@ -63,7 +64,9 @@ class Qwen35ForCausalLM(nnx.Module):
             rngs, normal(cfg.initializer_range), (V, D), ("vocab", "embed"), param_dtype, None
         )
         self.blocks = PatternBlock(cfg, dtype=self.dtype, param_dtype=param_dtype, rngs=rngs)
-        self.norm = make_param(rngs, constant(0.0), (D,), ("norm",), param_dtype, None)
+        self.norm = make_param(
+            rngs, constant(norm_init_value(cfg.zero_centred_norms)), (D,), ("norm",), param_dtype, None
+        )
         if not cfg.tie_word_embeddings:
             self.lm_head = make_param(
                 rngs, normal(cfg.initializer_range), (D, V), ("embed", "vocab"), param_dtype, None
@@ -82,18 +85,27 @@ class Qwen35ForCausalLM(nnx.Module):
     def __call__(self, input_ids, *, positions=None, segment_ids=None, cache: Qwen35Cache | None = None):
         out = self.hidden_states(input_ids, positions=positions, segment_ids=segment_ids, cache=cache)
         hidden_BxTxD, new_cache = out if cache is not None else (out, None)
-        # The LM head always runs in float32: sampling and RL log-probs are sensitive to its rounding.
-        logits_BxTxV = jnp.einsum(
-            "btd,dv->btv",
-            hidden_BxTxD.astype(f32),
-            self.lm_head_weight().astype(f32),
-            precision=f32_matmul_precision(),
-            preferred_element_type=f32,
-        )
+        # The one float32 policy head (engine, trainer and SFT use it too).
+        logits_BxTxV = head_logits(hidden_BxTxD, self.lm_head_weight())
         return logits_BxTxV if cache is None else (logits_BxTxV, new_cache)
 
-    def hidden_states(self, input_ids, *, positions=None, segment_ids=None, cache: Qwen35Cache | None = None):
+    def hidden_states(
+        self,
+        input_ids,
+        *,
+        positions=None,
+        segment_ids=None,
+        cache: Qwen35Cache | None = None,
+        router_stats: bool = False,
+    ):
+        """Final-norm hidden states ``[B, T, D]`` (and the new cache when given one).
+
+        ``router_stats`` (MoE models, no cache): also return a ``RouterStats`` of ``[layers, E]``
+        per-expert sums over the valid tokens (load metrics; ``router_aux_loss``).
+        """
         cfg = self.config
+        if router_stats and (cache is not None or not cfg.is_moe):
+            raise ValueError("router_stats needs a MoE config (num_experts > 0) and no cache")
         input_ids = jnp.asarray(input_ids)
         if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
             raise ValueError(
@@ -146,6 +158,8 @@ class Qwen35ForCausalLM(nnx.Module):
             period = jax.checkpoint(period, policy=policy, prevent_cse=False)
 
         G = cfg.num_groups
+        if router_stats:
+            return self._hidden_with_router_stats(x_BxTxD, ctx, graphdef, block_state)
         if cache is None:
             x_BxTxD, _ = jax.lax.scan(lambda x, s: (period(x, (s, None))[0], None), x_BxTxD, block_state)
             new_cache = None
@@ -160,5 +174,32 @@ class Qwen35ForCausalLM(nnx.Module):
             n_new = (segment_ids > 0).sum(-1).astype(cache.lengths.dtype)
             new_cache = Qwen35Cache(lengths=cache.lengths + n_new, k=k, v=v, conv=conv, recurrent=rec)
 
-        hidden_BxTxD = zero_centred_rms_norm(x_BxTxD, self.norm[...], cfg.rms_norm_eps)
+        hidden_BxTxD = rms_norm(
+            x_BxTxD, self.norm[...], cfg.rms_norm_eps, zero_centred=cfg.zero_centred_norms
+        )
         return hidden_BxTxD if cache is None else (hidden_BxTxD, new_cache)
+
+    def _hidden_with_router_stats(self, x_BxTxD, ctx, graphdef, block_state):
+        """The no-cache forward collecting each MoE layer's router sums as scan outputs. With remat,
+        each period is one ``jax.checkpoint`` saving nothing (remat="full"'s per-layer checkpoints
+        return hidden states only)."""
+
+        def period(x, state):
+            sink: list[RouterStats] = []
+            x, _ = nnx.merge(graphdef, state)(x, {**ctx, "router_stats": sink}, None)
+            return x, jax.tree.map(lambda *a: jnp.stack(a), *sink)
+
+        if self.remat != "none":
+            policy = _REMAT_POLICIES[self.remat] or jax.checkpoint_policies.nothing_saveable
+            period = jax.checkpoint(period, policy=policy, prevent_cse=False)
+        x_BxTxD, stats = jax.lax.scan(period, x_BxTxD, block_state)
+        # [periods, layers per period, ...] -> [layers, ...] in model order (layer = g * P + p).
+        stats = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), stats)
+        cfg = self.config
+        return rms_norm(x_BxTxD, self.norm[...], cfg.rms_norm_eps, zero_centred=cfg.zero_centred_norms), stats
+
+    def router_aux_loss(self, stats: RouterStats) -> jax.Array:
+        """``router_aux_loss_coef`` times the load-balancing loss of ``stats`` (transformers'
+        ``load_balancing_loss_func`` over all layers): add it to a loss only when wanted; RL keeps it
+        off by default."""
+        return self.config.router_aux_loss_coef * stats.aux_loss()

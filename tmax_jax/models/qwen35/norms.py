@@ -26,3 +26,16 @@ def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float)
     normed = rms_normalize_f32(x, eps).astype(x.dtype)
     y = (weight.astype(x.dtype) * normed).astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
     return y.astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, zero_centred: bool) -> jax.Array:
+    """The decoder's RMSNorm: Qwen 3.5's zero-centred one, or Qwen3's ``w * norm(x)`` (weights
+    around 1; the normalised value rounded to x's dtype before the weight, as transformers does)."""
+    if zero_centred:
+        return zero_centred_rms_norm(x, weight, eps)
+    return weight.astype(x.dtype) * rms_normalize_f32(x, eps).astype(x.dtype)
+
+
+def norm_init_value(zero_centred: bool) -> float:
+    """The identity weight of ``rms_norm``."""
+    return 0.0 if zero_centred else 1.0

@@ -1,0 +1,144 @@
+"""Qwen 3.5 sparse MoE block: softmax router, top-k experts run dropless with grouped matmuls, and a
+shared SwiGLU expert behind a sigmoid gate.
+
+Every (token, chosen expert) pair is one row; rows are sorted by expert and each expert's contiguous
+group runs through ``jax.lax.ragged_dot``: no capacity factor, no dropped token, and the compute is
+the routed work only (``tokens * top_k`` rows), not ``tokens * num_experts``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tmax_jax.models.qwen35.config import Qwen35Config
+from tmax_jax.models.qwen35.mlp import SwiGLU
+from tmax_jax.models.qwen35.params import make_param, normal
+
+f32 = jnp.float32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RouterStats:
+    """Per-expert sums over the valid tokens of one or more MoE layers (float32 ``[..., E]``).
+
+    ``tokens``: how many (token, top-k slot) assignments went to each expert; ``probs``: the sum of
+    each expert's full softmax probability; ``count``: valid tokens seen (per layer).
+    """
+
+    tokens: jax.Array
+    probs: jax.Array
+    count: jax.Array
+
+    def load(self) -> jax.Array:
+        """Each expert's share of the routed assignments (sums to 1 over experts, per layer)."""
+        return self.tokens / jnp.maximum(self.tokens.sum(-1, keepdims=True), 1.0)
+
+    def metrics(self, prefix: str = "router/") -> dict[str, jax.Array]:
+        """Scalar load metrics over layers: the busiest and idlest expert's share times E (1.0 when
+        balanced), and the fraction of (layer, expert) pairs that got no token."""
+        E = self.tokens.shape[-1]
+        load = self.load().reshape(-1, E)
+        return {
+            f"{prefix}max_load": jnp.mean(jnp.max(load, -1)) * E,
+            f"{prefix}min_load": jnp.mean(jnp.min(load, -1)) * E,
+            f"{prefix}idle_experts": jnp.mean((self.tokens.reshape(-1, E) == 0).astype(f32)),
+        }
+
+    def aux_loss(self) -> jax.Array:
+        """Switch-style load-balancing loss, as transformers' ``load_balancing_loss_func`` over the
+        layers summed here: ``E * sum_e f_e * p_e`` with f = assignments per token, p = mean
+        probability (1.0 at the top-k's ideal uniform routing, scaled by top_k)."""
+        tokens = self.tokens.reshape(-1, self.tokens.shape[-1]).sum(0)
+        probs = self.probs.reshape(-1, self.probs.shape[-1]).sum(0)
+        rows = jnp.maximum(jnp.sum(self.count), 1.0)
+        return self.tokens.shape[-1] * jnp.sum((tokens / rows) * (probs / rows))
+
+
+def route(logits_NxE: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(float32 softmax probs ``[N, E]``, top-k weights ``[N, K]`` float32, expert ids ``[N, K]``)."""
+    probs_NxE = jax.nn.softmax(logits_NxE.astype(f32), axis=-1)
+    weights_NxK, experts_NxK = jax.lax.top_k(probs_NxE, top_k)
+    if normalize:
+        weights_NxK = weights_NxK / jnp.sum(weights_NxK, axis=-1, keepdims=True)
+    return probs_NxE, weights_NxK, experts_NxK
+
+
+def grouped_experts(x_NxD, experts_NxK, weights_NxK, w_gate_up_ExDx2xI, w_down_ExIxD):
+    """``sum_k weights[n, k] * SwiGLU_{experts[n, k]}(x[n])`` with grouped (ragged) matmuls."""
+    N, K = experts_NxK.shape
+    E, D, _, I = w_gate_up_ExDx2xI.shape
+    flat_e_R = experts_NxK.reshape(-1)  # R = N * K rows, row r = (token r // K, slot r % K)
+    order_R = jnp.argsort(flat_e_R, stable=True)
+    group_sizes_E = jnp.bincount(flat_e_R, length=E).astype(jnp.int32)
+    xs_RxD = jnp.take(x_NxD, order_R // K, axis=0)
+    gate_up_Rx2I = jax.lax.ragged_dot(xs_RxD, w_gate_up_ExDx2xI.reshape(E, D, 2 * I), group_sizes_E)
+    gate_RxI, up_RxI = gate_up_Rx2I[:, :I], gate_up_Rx2I[:, I:]
+    out_RxD = jax.lax.ragged_dot(jax.nn.silu(gate_RxI) * up_RxI, w_down_ExIxD, group_sizes_E)
+    # Back to (token, slot) order through the inverse permutation: a gather, no scatter-add.
+    inverse_R = jnp.argsort(order_R)
+    out_NxKxD = jnp.take(out_RxD, inverse_R, axis=0).reshape(N, K, -1)
+    return jnp.einsum("nkd,nk->nd", out_NxKxD, weights_NxK.astype(out_NxKxD.dtype))
+
+
+class SparseMoeBlock(nnx.Module):
+    def __init__(self, cfg: Qwen35Config, *, dtype, param_dtype, rngs: nnx.Rngs, stack: int | None = None):
+        D, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        init = normal(cfg.initializer_range)
+        self.dtype = dtype
+        self.top_k = cfg.num_experts_per_tok
+        self.normalize = cfg.norm_topk_prob
+        self.router = make_param(rngs, init, (D, E), ("embed", "expert_logits"), param_dtype, stack)
+        # Gate and up projections of each expert side by side ([..., 0, :] gate, [..., 1, :] up): one
+        # grouped matmul for both, and the intermediate axis stays whole for tensor sharding.
+        self.gate_up_proj = make_param(
+            rngs, init, (E, D, 2, I), ("expert", "embed", None, "mlp"), param_dtype, stack
+        )
+        self.down_proj = make_param(rngs, init, (E, I, D), ("expert", "mlp", "embed"), param_dtype, stack)
+        self.has_shared = cfg.shared_expert_intermediate_size > 0
+        if self.has_shared:
+            self.shared_expert = SwiGLU(
+                cfg,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                rngs=rngs,
+                stack=stack,
+                intermediate_size=cfg.shared_expert_intermediate_size,
+            )
+            self.shared_expert_gate = make_param(rngs, init, (D,), ("embed",), param_dtype, stack)
+
+    def __call__(
+        self, x_BxTxD: jax.Array, valid_BxT: jax.Array | None = None
+    ) -> tuple[jax.Array, RouterStats]:
+        dt = self.dtype
+        B, T, D = x_BxTxD.shape
+        x_NxD = x_BxTxD.reshape(B * T, D)
+        logits_NxE = jnp.einsum("nd,de->ne", x_NxD, self.router[...].astype(dt))
+        probs_NxE, weights_NxK, experts_NxK = route(logits_NxE, self.top_k, self.normalize)
+        # transformers rounds the renormalised weights to the activations' dtype before use.
+        weights_NxK = weights_NxK.astype(dt)
+        y_NxD = grouped_experts(
+            x_NxD,
+            experts_NxK,
+            weights_NxK,
+            self.gate_up_proj[...].astype(dt),
+            self.down_proj[...].astype(dt),
+        )
+        y_BxTxD = y_NxD.reshape(B, T, D)
+        if self.has_shared:
+            gate_BxT = jnp.einsum("btd,d->bt", x_BxTxD, self.shared_expert_gate[...].astype(dt))
+            y_BxTxD = y_BxTxD + jax.nn.sigmoid(gate_BxT)[..., None] * self.shared_expert(x_BxTxD)
+
+        valid_N = jnp.ones((B * T,), f32) if valid_BxT is None else valid_BxT.reshape(-1).astype(f32)
+        E = probs_NxE.shape[-1]
+        hits_E = jnp.zeros((E,), f32).at[experts_NxK.reshape(-1)].add(jnp.repeat(valid_N, self.top_k))
+        stats = RouterStats(
+            tokens=jax.lax.stop_gradient(hits_E),
+            probs=jnp.einsum("ne,n->e", probs_NxE, valid_N),
+            count=jnp.sum(valid_N),
+        )
+        return y_BxTxD, stats
