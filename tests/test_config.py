@@ -42,3 +42,19 @@ def test_parse_dotted():
     assert parse_dotted(["inner.lr=0.5", "flag=true"]) == {"inner": {"lr": 0.5}, "flag": True}
     with pytest.raises(ConfigError):
         parse_dotted(["noequals"])
+
+
+def test_train_task_families_as_list_or_weights_and_dotted_overrides():
+    from tmax_jax.train.config import load_train_config
+
+    cfg = load_train_config(None, {"tasks": {"families": ["largest_number", "cidr_membership"]}})
+    assert cfg.tasks.family_weights() == {"largest_number": 1.0, "cidr_membership": 1.0}
+    cfg = load_train_config(None, parse_dotted(["tasks.families={largest_number: 3, ini_edit: 1}"]))
+    assert cfg.tasks.family_weights() == {"largest_number": 3, "ini_edit": 1}
+    cfg = load_train_config(None, parse_dotted(["tasks.dir=[a, b]", "curriculum.enabled=true"]))
+    assert cfg.tasks.dirs == ("a", "b") and cfg.curriculum.enabled
+    assert load_train_config(None, {"tasks": {"dir": "one"}}).tasks.dirs == ("one",)
+    with pytest.raises(ConfigError, match=r"tasks\.families: weights must be numbers > 0"):
+        load_train_config(None, {"tasks": {"families": {"largest_number": -1}}})
+    with pytest.raises(ConfigError, match=r"curriculum\.max_draws must be >= 1"):
+        load_train_config(None, {"curriculum": {"max_draws": 0}})

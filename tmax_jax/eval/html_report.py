@@ -111,3 +111,42 @@ environment cannot be built offline are listed as "environment unavailable", mal
 {_table(["task", "category", "status", "passed", "pass@1", f"pass@{k}", "mean reward", "note"], task_rows)}
 </body></html>
 """
+
+
+def render_before_after_html(summary: Mapping[str, Any]) -> str:
+    """A train run's held-out pass rates before and after RL, overall, per family and per axis value
+    (``summary.json`` of ``tmax-jax train``: ``pass_rate_by_family``, ``pass_rate_by_axis``)."""
+
+    def row(name: str, e: Mapping[str, Any]) -> list[str]:
+        b, a = e.get("before"), e.get("after")
+        delta = a - b if a is not None and b is not None else None
+        return [escape(name), str(e.get("tasks", "")), _fmt(b), _fmt(a), _fmt(delta)]
+
+    header = ["", "held-out tasks", "before", "after", "change"]
+    overall = {
+        "before": summary.get("pass_rate_before"),
+        "after": summary.get("pass_rate_after"),
+        "tasks": summary.get("heldout_tasks"),
+    }
+    fams = summary.get("pass_rate_by_family") or {}
+    sections = [f"<h2>Overall</h2>{_table(header, [row('all', overall)])}"]
+    sections.append(f"<h2>Per family</h2>{_table(header, [row(f, e) for f, e in fams.items()])}")
+    for axis, values in (summary.get("pass_rate_by_axis") or {}).items():
+        sections.append(
+            f"<h2>Per {escape(axis)}</h2>{_table(header, [row(v, e) for v, e in values.items()])}"
+        )
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>tmax-jax train: {escape(str(summary.get("run_dir", "")))}</title>
+<style>
+body {{ font-family: sans-serif; margin: 2em; }}
+table {{ border-collapse: collapse; margin: 1em 0; }}
+td, th {{ border: 1px solid #ccc; padding: 3px 8px; text-align: right; }}
+td:first-child, th:first-child {{ text-align: left; }}
+</style></head><body>
+<h1>Held-out pass rate before and after RL</h1>
+<p>{escape(str(summary.get("run_dir", "")))}: {summary.get("steps")} RL steps; pass rate = passing episodes
+over held-out tasks x {summary.get("samples_per_task")} samples, same sampling settings before and after.</p>
+{"".join(sections)}
+<p><img src="learning_curve.png" alt="learning curve"></p>
+</body></html>
+"""

@@ -80,14 +80,95 @@ class PlanSettings:
             raise ConfigError(f"plan.device_memory_gib must be > 0, got {self.device_memory_gib}")
 
 
+AXIS_FILTER_KEYS = (
+    "domain",
+    "skill_type",
+    "primitive_skill",
+    "fixture_kind",
+    "command_complexity",
+    "verifier_kind",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskSource:
-    dir: str = ""  # Harbor/TMAX task directory; "" = generate procedural tasks into RUN_DIR/tasks
-    families: tuple[str, ...] = ()  # procedural families (empty = all)
-    words: int = 16  # write_word family: how many distinct words the tasks draw from (2..16)
+    """Where the run's train and held-out tasks come from (``tmax_jax/train/setup.py: load_task_sets``).
+
+    ``families`` names procedural families: any of the task generator's 30 (``tmax_jax/tasks/generator``)
+    or a demo family (``write_word``, ``largest_number``), as a list (weight 1 each) or a mapping
+    family -> weight (the share of ``num_train`` / ``num_heldout`` it gets). ``axes`` adds every
+    generator family whose fixed axes match the filter (axis -> allowed values, e.g.
+    ``{verifier_kind: [exact_text], domain: [security]}``), weight 1 each; ``corpus_kind`` re-weights
+    the axes the families leave free (task complexity). ``dir`` is one or more Harbor/TMAX task
+    directories; with ``mix: true`` the families are generated beside them (otherwise a dir replaces
+    the families, so a config's demo families and a ``--set tasks.dir=...`` do not mix by surprise);
+    a quarter of their tasks (at most ``num_heldout``), picked by
+    ``seed``, are held out. Procedural held-out tasks use seeds no training task uses, or whole
+    families (``heldout_families``: generated only for the held-out set); a held-out task whose
+    instruction equals a training one is dropped. Nothing set: the ``write_word`` demo family.
+    """
+
+    dir: str | tuple[str, ...] = ""
+    families: dict[str, float] | tuple[str, ...] = ()
+    axes: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    corpus_kind: str = "rl_v2"
+    mix: bool = False  # tasks.dir and tasks.families together
+    heldout_families: tuple[str, ...] = ()
+    words: int = 16  # write_word family: how many distinct words the tasks draw from (1..16)
     num_train: int = 64
     num_heldout: int = 16  # pass_rate_before/after are measured on these (seeds never trained on)
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        weights = self.family_weights()
+        bad = {f: w for f, w in weights.items() if not (isinstance(w, (int, float)) and w > 0)}
+        if bad:
+            raise ConfigError(f"tasks.families: weights must be numbers > 0, got {bad}")
+        unknown = sorted(set(self.axes) - set(AXIS_FILTER_KEYS))
+        if unknown:
+            raise ConfigError(f"tasks.axes: unknown axis {unknown} (known: {list(AXIS_FILTER_KEYS)})")
+        for name in ("num_train", "num_heldout"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"tasks.{name} must be >= 1, got {getattr(self, name)}")
+
+    def family_weights(self) -> dict[str, float]:
+        if isinstance(self.families, dict):
+            return dict(self.families)
+        return {f: 1.0 for f in self.families}
+
+    @property
+    def dirs(self) -> tuple[str, ...]:
+        return (self.dir,) if isinstance(self.dir, str) and self.dir else tuple(self.dir or ())
+
+
+@dataclasses.dataclass(frozen=True)
+class CurriculumConfig:
+    """TMAX's soft filtering and active sampling over the training prompts (``train/curriculum.py``).
+
+    Every prompt keeps its last ``window`` group pass rates. A prompt whose last ``min_groups`` (or
+    more) groups all passed, or all failed, is *saturated*: it is drawn with weight ``saturated_weight``
+    instead of 1, and retired (never drawn again) once it stayed saturated for ``retire_after`` groups
+    (0 = never retire); a prompt is un-retired when every prompt would be. A step keeps drawing
+    prompts (``prompts_per_step`` at a time) until it has ``prompts_per_step`` groups whose rewards
+    are not all equal, or it ran ``max_draws`` draws; the extra draws and what was thrown away are
+    counted in the metrics (``curriculum/*``). Off: every prompt is drawn in the loader's order.
+    """
+
+    enabled: bool = False
+    window: int = 4
+    min_groups: int = 2
+    saturated_weight: float = 0.1
+    retire_after: int = 0
+    max_draws: int = 3
+
+    def __post_init__(self) -> None:
+        for name, low in (("window", 1), ("min_groups", 1), ("retire_after", 0), ("max_draws", 1)):
+            if getattr(self, name) < low:
+                raise ConfigError(f"curriculum.{name} must be >= {low}, got {getattr(self, name)}")
+        if self.min_groups > self.window:
+            raise ConfigError(f"curriculum.min_groups ({self.min_groups}) must be <= window ({self.window})")
+        if not 0.0 <= self.saturated_weight <= 1.0:
+            raise ConfigError(f"curriculum.saturated_weight must be in [0, 1], got {self.saturated_weight}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +228,11 @@ class TrainConfig:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
     eval: EvalSettings = dataclasses.field(default_factory=EvalSettings)
+    curriculum: CurriculumConfig = dataclasses.field(default_factory=CurriculumConfig)
+    # An episode that ends without the submit marker (turn limit, format errors, context) scores 0
+    # whatever the files say: the episode ends where the recipe ends it, and nothing the policy
+    # says after solving the task but before submitting can share a passing episode's advantage.
+    reward_requires_submit: bool = False
     plan: PlanSettings = dataclasses.field(default_factory=PlanSettings)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 

@@ -44,7 +44,7 @@ from tmax_jax.train.config import TrainConfig
 from tmax_jax.train.metrics import MetricsWriter, progress_bar
 from tmax_jax.train.plot import line_chart
 from tmax_jax.train.queue import QueueClosed, RolloutBatch, RolloutQueue
-from tmax_jax.train.rollout import RolloutWorkers, demonstrations
+from tmax_jax.train.rollout import RolloutWorkers, demonstrations, pass_rates_by_group
 from tmax_jax.train.setup import (
     enable_compilation_cache,
     load_task_sets,
@@ -147,7 +147,23 @@ class Trainer:
             shard_index=self.pid,
             shard_count=self.nproc,
         )
-        if self.data_state:
+        # The curriculum (train/curriculum.py) replaces the loader's order when enabled.
+        self.curriculum = self.active = None
+        self._curriculum_metrics: dict[int, dict] = {}
+        if cfg.curriculum.enabled:
+            from tmax_jax.train.curriculum import ActiveSampler, Curriculum
+
+            self.curriculum = Curriculum(len(self.train_tasks), cfg.curriculum)
+            if isinstance(self.data_state, dict) and "curriculum" in self.data_state:
+                self.curriculum.load_state_dict(self.data_state["curriculum"])
+            self.active = ActiveSampler(
+                self.curriculum,
+                cfg.prompts_per_step // self.nproc,
+                cfg.seed,
+                process_index=self.pid,
+                process_count=self.nproc,
+            )
+        elif self.data_state:
             self.loader.set_state(self.data_state)
         self.metrics = MetricsWriter(self.run_dir, enabled=is_primary())
         self.metrics.truncate_after(self.start_step)
@@ -184,6 +200,7 @@ class Trainer:
             workers=cfg.rollout_workers,
             temperature=cfg.temperature,
             top_p=cfg.top_p,
+            require_submit=cfg.reward_requires_submit,
         )
 
     def _engine_params(self, *, as_state: bool = True):
@@ -248,6 +265,12 @@ class Trainer:
                 if self._stop.is_set():
                     break
                 t0 = time.monotonic()
+                if self.active is not None:
+                    groups = self._curriculum_groups(index)
+                    data_state = {"curriculum": self.curriculum.state_dict()}
+                    self.queue.put(RolloutBatch(index, groups, data_state, rollout_s=time.monotonic() - t0))
+                    index += 1
+                    continue
                 records = self.loader.next_batch()
                 data_state = self.loader.get_state()
                 tasks = [self.train_tasks[int(r["task_id"])] for r in records]
@@ -263,6 +286,37 @@ class Trainer:
         except BaseException as e:  # surfaced by the trainer loop
             self._producer_error = e
             self.queue.close()
+
+    def _curriculum_groups(self, index: int) -> list:
+        """Step ``index``'s groups by active sampling; its curriculum metrics are kept for the trainer."""
+        cfg = self.cfg
+        per_process = cfg.prompts_per_step // self.nproc
+        first = self.pid * per_process
+
+        def run_groups(prompts: list[int], draw: int) -> list[tuple]:
+            tasks = [self.train_tasks[i] for i in prompts]
+            # Draw 0 seeds its episodes as the loader path does; later draws get their own seeds and
+            # group ids (unique within the step, over all processes).
+            keys = [(cfg.seed, index, draw * cfg.prompts_per_step + first + p) for p in range(len(tasks))]
+            gids = [
+                (index * cfg.curriculum.max_draws + draw) * cfg.prompts_per_step + first + p
+                for p in range(len(tasks))
+            ]
+            groups = self.workers.groups(tasks, cfg.group_size, keys, gids)
+            return [
+                (
+                    g,
+                    g.rewards,
+                    float(np.mean([bool(t.info.get("passed")) for t in g.trajectories]))
+                    if g.trajectories
+                    else 0.0,
+                )
+                for g in groups
+            ]
+
+        groups, metrics = self.active.step(index, run_groups)
+        self._curriculum_metrics[index] = metrics
+        return groups
 
     # ------------------------------------------------------------------ the run
     def run(self) -> dict:
@@ -328,6 +382,7 @@ class Trainer:
                     # and the bookkeeping that makes it the state of `step`.
                     with self._interrupts.deferred():
                         metrics = self._train_on(batch, step)
+                        metrics.update(self._curriculum_metrics.pop(batch.index, {}))
                         step += 1
                         data_state = batch.data_state
                         t_sync = time.monotonic()
@@ -389,6 +444,9 @@ class Trainer:
         if is_primary():
             summary_path.write_text(json.dumps(summary, indent=2))
             self._plot(before, after)
+            from tmax_jax.eval.html_report import render_before_after_html
+
+            (self.run_dir / "eval_report.html").write_text(render_before_after_html(summary))
         _log(
             f"done: pass rate {summary['pass_rate_before']:.3f} -> {summary['pass_rate_after']:.3f} "
             f"({summary['steps']} steps); summary in {summary_path}"
@@ -512,6 +570,14 @@ class Trainer:
             "heldout_tasks": len(self.heldout_tasks),
             "samples_per_task": self.cfg.eval.samples_per_task,
             "train_pass_rate_per_step": [r.get("pass_rate") for r in rows],
+            "heldout_pass_rate_per_eval": [
+                [r["step"], r["heldout_pass_rate"]] for r in rows if r.get("heldout_pass_rate") is not None
+            ],
+            "episode_turns_mean": float(np.mean([r["episode_turns_mean"] for r in rows])) if rows else None,
+            "heldout_turns_mean_after": after.get("turns_mean"),
+            **{
+                f"pass_rate_{k}": v for k, v in pass_rates_by_group(self.heldout_tasks, before, after).items()
+            },
         }
 
     def _plot(self, before: dict, after: dict) -> None:

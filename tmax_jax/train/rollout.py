@@ -53,6 +53,24 @@ class RolloutStats:
         return out
 
 
+def score_episode(traj: Trajectory, result, *, require_submit: bool) -> Trajectory:
+    """Set the trajectory's reward and info from the task run's verifier ``result``. With
+    ``require_submit`` an episode that ended without the submit marker (turn limit, format errors,
+    context) scores 0 whatever the files say: the episode ends where the recipe ends it, and what the
+    policy says after solving the task but before submitting cannot share a passing advantage."""
+    reward, passed, reason = float(result.reward), bool(result.passed), result.reason
+    if require_submit and traj.finish_reason != "submitted":
+        reward, passed, reason = 0.0, False, f"not submitted ({traj.finish_reason}); verifier: {reason}"
+    traj.reward = reward
+    traj.info = {
+        "reason": reason,
+        "passed": passed,
+        "duration_s": result.duration_s,
+        "verifier_reward": float(result.reward),
+    }
+    return traj
+
+
 class RolloutWorkers:
     def __init__(
         self,
@@ -64,6 +82,7 @@ class RolloutWorkers:
         workers: int,
         temperature: float,
         top_p: float = 1.0,
+        require_submit: bool = False,
     ):
         self.orch = orchestrator
         self.chat = chat
@@ -71,6 +90,7 @@ class RolloutWorkers:
         self.sandbox_cfg = sandbox_cfg
         self.temperature = temperature
         self.top_p = top_p
+        self.require_submit = require_submit
         self.pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tmax-episode")
         self.stats = RolloutStats()
         self._lock = threading.Lock()
@@ -102,8 +122,7 @@ class RolloutWorkers:
                 self.stats.failures[result.reason.split(":")[0]] += 1
                 return None
             self.stats.generated_tokens += traj.num_generated
-        traj.reward = float(result.reward)
-        traj.info = {"reason": result.reason, "passed": bool(result.passed), "duration_s": result.duration_s}
+        score_episode(traj, result, require_submit=self.require_submit)
         return traj
 
     def groups(
@@ -142,19 +161,43 @@ class RolloutWorkers:
             sum(tr.reward for tr in trajs),
             sum(tr.num_turns for tr in trajs),
         ]
-        episodes, passed, reward, turns = np.sum(allgather_json(local), axis=0).tolist()
+        # Per task (by index into ``tasks``): [episodes, passed], for pass rates per family and axis.
+        mine_per_task = {
+            str(i): [len(g.trajectories), sum(bool(tr.info["passed"]) for tr in g.trajectories)]
+            for i, g in zip(mine, groups)
+        }
+        gathered = allgather_json([local, mine_per_task])
+        episodes, passed, reward, turns = np.sum([g[0] for g in gathered], axis=0).tolist()
+        per_task = [[0, 0] for _ in tasks]
+        for _, share in gathered:
+            for i, counts in share.items():
+                per_task[int(i)] = counts
         if not episodes:
-            return {"pass_rate": 0.0, "reward_mean": 0.0, "episodes": 0}
+            return {"pass_rate": 0.0, "reward_mean": 0.0, "episodes": 0, "per_task": per_task}
         return {
             "pass_rate": passed / episodes,
             "reward_mean": reward / episodes,
             "episodes": int(episodes),
             "turns_mean": turns / episodes,
+            "per_task": per_task,  # [episodes, passed] of each task, in the order given
         }
 
     def close(self) -> None:
         self.stopping.set()
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+TURN_PER_LINE = "# tmax-jax: one turn per line"
+
+
+def solution_commands(script: str) -> list[str]:
+    """The bash calls that replay a solution script: its body as one call, or, when the script has
+    the line ``# tmax-jax: one turn per line``, each non-comment line as a call of its own (a
+    multi-turn demonstration)."""
+    lines = [ln for ln in script.splitlines() if ln.strip() and not ln.startswith("#!")]
+    if TURN_PER_LINE in (ln.strip() for ln in lines):
+        return [ln for ln in lines if not ln.lstrip().startswith("#")]
+    return ["\n".join(lines)]
 
 
 def demonstrations(
@@ -178,10 +221,7 @@ def demonstrations(
         if task.solution is None or not task.solution.is_file():
             rejected["no solution script"] += 1
             return None
-        body = "\n".join(
-            ln for ln in task.solution.read_text().splitlines() if ln.strip() and not ln.startswith("#!")
-        )
-        policy = ScriptedPolicy([body], chat, harness=agent_cfg.harness)
+        policy = ScriptedPolicy(solution_commands(task.solution.read_text()), chat, harness=agent_cfg.harness)
         result = run_task(
             task,
             lambda t, sh: run_episode(t.prompt, policy, sh, chat, demo_cfg, task_id=t.name),
@@ -202,3 +242,33 @@ def demonstrations(
         futures = [pool.submit(one, t) for t in tasks]
         demos = [t for t in (f.result() for f in futures) if t is not None]
     return demos, rejected
+
+
+def pass_rates_by_group(tasks: Sequence[Task], before: dict, after: dict) -> dict:
+    """Held-out pass rates before/after per family and per axis value, from two ``pass_rate`` results.
+
+    Returns ``{"by_family": {family: {before, after, tasks}}, "by_axis": {axis: {value: {...}}}}``;
+    a result without ``per_task`` (an eval written by an older version) gives ``None`` for its side.
+    """
+    from tmax_jax.train.setup import task_axes, task_family
+
+    def rates(result: dict, members: list[int]) -> float | None:
+        per = result.get("per_task")
+        if not per or len(per) != len(tasks):
+            return None
+        eps = sum(per[i][0] for i in members)
+        return sum(per[i][1] for i in members) / eps if eps else None
+
+    def entry(members: list[int]) -> dict:
+        return {"before": rates(before, members), "after": rates(after, members), "tasks": len(members)}
+
+    fams: dict[str, list[int]] = {}
+    axes: dict[str, dict[str, list[int]]] = {}
+    for i, t in enumerate(tasks):
+        fams.setdefault(task_family(t), []).append(i)
+        for axis, value in task_axes(t).items():
+            axes.setdefault(axis, {}).setdefault(value, []).append(i)
+    return {
+        "by_family": {f: entry(m) for f, m in sorted(fams.items())},
+        "by_axis": {a: {v: entry(m) for v, m in sorted(vals.items())} for a, vals in sorted(axes.items())},
+    }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -15,9 +16,14 @@ from tmax_jax.tasks import load_task
 from tmax_jax.tasks.loader import find_tasks
 from tmax_jax.tasks.model import Task
 from tmax_jax.train.config import TrainConfig
-from tmax_jax.train.demo_tasks import WORDS, write_tasks
-
-PROCEDURAL_FAMILIES = {"write_word"}
+from tmax_jax.train.demo_tasks import (
+    DEMO_FAMILIES,
+    LARGEST_SOLUTION,
+    TRAIN_NAMES,
+    WORDS,
+    largest_instruction,
+    write_demo_task,
+)
 
 # Fields that may change when a run is resumed (extending a run, moving it, or new hosts after a
 # preemption); ``plan`` only describes the hardware ``tmax-jax plan`` checks against.
@@ -79,6 +85,9 @@ def _tokenizer_corpus(cfg: TrainConfig) -> list[str]:
 
     demo = [f"Write the word {w} into the file /app/answer.txt." for w in WORDS]
     demo += [render_tool_call(f"echo {w} > /app/answer.txt") for w in WORDS]
+    # largest_number: the training names only (held-out names are split into known pieces).
+    demo += [largest_instruction(n, c) for n in TRAIN_NAMES for c in (3, 6, 9)]
+    demo += [render_tool_call(c) for c in LARGEST_SOLUTION]
     demo += [
         render_tool_call(f"echo {SUBMIT_MARKER}"),
         cfg.agent.system_prompt,
@@ -149,33 +158,176 @@ def _check_shape(cfg: TrainConfig, path: Path) -> None:
         )
 
 
-def load_task_sets(cfg: TrainConfig, run_dir: Path) -> tuple[list[Task], list[Task]]:
-    """(train, held-out) tasks. Procedural tasks are written once into RUN_DIR/tasks; held-out seeds
-    are disjoint from training seeds."""
-    if cfg.tasks.dir:
-        paths = find_tasks(cfg.tasks.dir)
+def _allocate(total: int, weights: dict[str, float]) -> dict[str, int]:
+    """Split ``total`` over ``weights`` by largest remainder (every family at least 1 when total allows)."""
+    names = sorted(weights)
+    w = sum(weights.values())
+    exact = {f: total * weights[f] / w for f in names}
+    out = {f: int(exact[f]) for f in names}
+    for f in sorted(names, key=lambda f: (out[f] - exact[f], f))[: total - sum(out.values())]:
+        out[f] += 1
+    return out
+
+
+def _axis_families(axes: dict) -> list[str]:
+    """Generator families whose fixed axes pass the filter ``axes`` (axis -> allowed value(s))."""
+    from tmax_jax.tasks.generator.registry import all_families
+
+    def allowed(v) -> set[str]:
+        return {v} if isinstance(v, str) else set(v)
+
+    fams = all_families()
+    out = [n for n, f in sorted(fams.items()) if all(getattr(f, a) in allowed(v) for a, v in axes.items())]
+    if not out:
+        raise ConfigError(f"tasks.axes {axes} matches no task family")
+    return out
+
+
+class _Writer:
+    """Writes task ``seed`` of a procedural family (generator or demo) into a directory."""
+
+    def __init__(self, cfg: TrainConfig):
+        from tmax_jax.tasks.axes import AxisSampler
+        from tmax_jax.tasks.generator.procedural import ProceduralGenerator
+        from tmax_jax.tasks.generator.registry import all_families
+
+        self.cfg = cfg
+        self.generator_families = all_families()
+        self._gen = lambda: ProceduralGenerator(AxisSampler.from_yaml(corpus_kind=cfg.tasks.corpus_kind))
+        self.gen = None
+
+    def check(self, families) -> None:
+        unknown = [f for f in families if f not in DEMO_FAMILIES and f not in self.generator_families]
+        if unknown:
+            known = sorted((*DEMO_FAMILIES, *self.generator_families))
+            raise ConfigError(f"tasks.families: unknown {unknown} (known: {', '.join(known)})")
+
+    def __call__(self, family: str, root: Path, seed: int, *, heldout: bool) -> Path:
+        if family in DEMO_FAMILIES:
+            return write_demo_task(family, root, seed, heldout=heldout, words=self.cfg.tasks.words)
+        if self.gen is None:
+            self.gen = self._gen()
+        return self.gen.generate_family(root, family, seed).path
+
+
+def _copy_dir_tasks(cfg: TrainConfig, root: Path) -> None:
+    """tasks.dir: copy the usable tasks into RUN_DIR/tasks/{train,heldout}; a seeded quarter held out."""
+    import random
+    import shutil
+
+    for i, d in enumerate(cfg.tasks.dirs):
         tasks = []
-        for p in paths:
+        for p in find_tasks(d):
             try:
                 tasks.append(load_task(p))
             except TaskFormatError as e:
                 print(f"tmax-jax train: skipping malformed task {p}: {e}", file=sys.stderr)
         if len(tasks) < 2:
-            raise ConfigError(f"tasks.dir {cfg.tasks.dir} has {len(tasks)} usable task(s); need at least 2")
+            raise ConfigError(f"tasks.dir {d} has {len(tasks)} usable task(s); need at least 2")
+        tasks.sort(key=lambda t: str(t.path))
+        random.Random(f"{cfg.tasks.seed}:{d}").shuffle(tasks)
         n_held = min(cfg.tasks.num_heldout, len(tasks) // 4)
-        return tasks[n_held:], tasks[:n_held]
-    unknown = [f for f in cfg.tasks.families if f not in PROCEDURAL_FAMILIES]
-    if unknown:
-        raise ConfigError(f"tasks.families: unknown {unknown} (known: {sorted(PROCEDURAL_FAMILIES)})")
+        for j, t in enumerate(tasks):
+            split = "heldout" if j < n_held else "train"
+            dest = root / split / (f"d{i}-{t.path.name}" if len(cfg.tasks.dirs) > 1 else t.path.name)
+            shutil.copytree(t.path, dest, symlinks=True)
+
+
+def write_task_split(cfg: TrainConfig, root: Path) -> dict:
+    """Write the run's tasks into ``root/train`` and ``root/heldout`` (one directory per task) and
+    ``root/split.json``; returns the split record. Held-out procedural tasks use seeds from
+    ``base + 500_000`` on (training seeds from ``base``), or families only held out."""
+    ts = cfg.tasks
+    weights = ts.family_weights()
+    for f in _axis_families(ts.axes) if ts.axes else ():
+        weights.setdefault(f, 1.0)
+    if ts.dirs and not ts.mix:
+        weights = {}
+    elif not weights and not ts.dirs:
+        weights = {"write_word": 1.0}
+    if ts.words < 1 or ts.words > len(WORDS):
+        raise ConfigError(f"tasks.words must be in [1, {len(WORDS)}], got {ts.words}")
+    held_only = list(ts.heldout_families) if weights else []
+    writer = _Writer(cfg)
+    writer.check([*weights, *held_only])
+    overlap = sorted(set(held_only) & set(weights))
+    if overlap:
+        raise ConfigError(f"tasks.heldout_families {overlap} are also training families")
+    tmp = root.with_name(root.name + ".tmp")
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    (tmp / "train").mkdir(parents=True)
+    (tmp / "heldout").mkdir(parents=True)
+    base = ts.seed * 1_000_000
+    record: dict = {"train": {}, "heldout": {}, "dropped_heldout": []}
+    if weights:
+        for f, n in _allocate(ts.num_train, weights).items():
+            for i in range(n):
+                p = writer(f, tmp / "train", base + i, heldout=False)
+                record["train"][p.name] = f
+        held_weights = {f: 1.0 for f in held_only} or weights
+        for f, n in _allocate(ts.num_heldout, held_weights).items():
+            for i in range(n):
+                p = writer(f, tmp / "heldout", base + 500_000 + i, heldout=True)
+                record["heldout"][p.name] = f
+    if ts.dirs:
+        _copy_dir_tasks(cfg, tmp)
+        for split in ("train", "heldout"):
+            for p in (tmp / split).iterdir():
+                record[split].setdefault(p.name, "dir")
+    # Disjoint by construction: a held-out task that asks exactly what a training task asks goes.
+    seen = {_instruction(p) for p in (tmp / "train").iterdir()}
+    for p in sorted((tmp / "heldout").iterdir()):
+        if _instruction(p) in seen:
+            import shutil
+
+            shutil.rmtree(p)
+            record["heldout"].pop(p.name)
+            record["dropped_heldout"].append(p.name)
+    if not record["heldout"] or len(record["train"]) < 1:
+        raise ConfigError(
+            f"tasks: {len(record['train'])} train and {len(record['heldout'])} held-out tasks; need at least 1 each"
+        )
+    (tmp / "split.json").write_text(json.dumps(record, indent=1, sort_keys=True))
+    tmp.rename(root)
+    return record
+
+
+def _instruction(task_dir: Path) -> str:
+    p = task_dir / "instruction.md"
+    if p.is_file():
+        return p.read_text().strip()
+    j = task_dir / "task.json"
+    if j.is_file():
+        data = json.loads(j.read_text())
+        return str(data.get("prompt") or data.get("instruction") or data.get("description") or "").strip()
+    return ""
+
+
+def task_family(task: Task) -> str:
+    """The family a task belongs to (its metadata, else "other")."""
+    return str(task.metadata.get("family") or task.signature.get("family") or "other")
+
+
+def task_axes(task: Task) -> dict[str, str]:
+    """A task's axis values: the TMAX signature, or a Harbor task's ``axis_*`` metadata."""
+    if task.signature:
+        return {k: str(v) for k, v in task.signature.items()}
+    return {k[5:]: str(v) for k, v in task.metadata.items() if k.startswith("axis_")}
+
+
+def load_task_sets(cfg: TrainConfig, run_dir: Path) -> tuple[list[Task], list[Task]]:
+    """(train, held-out) tasks, written once into RUN_DIR/tasks/{train,heldout} (see
+    ``write_task_split``); a resumed run reads them back."""
     root = run_dir / "tasks"
-    base = cfg.tasks.seed * 1_000_000
-    train_seeds = range(base, base + cfg.tasks.num_train)
-    held_seeds = range(base + 500_000, base + 500_000 + cfg.tasks.num_heldout)
-    if not 1 <= cfg.tasks.words <= len(WORDS):
-        raise ConfigError(f"tasks.words must be in [1, {len(WORDS)}], got {cfg.tasks.words}")
-    if not (root / "train").is_dir():
-        write_tasks(root / "train", train_seeds, num_words=cfg.tasks.words)
-        write_tasks(root / "heldout", held_seeds, num_words=cfg.tasks.words)
+    if not (root / "split.json").is_file():
+        if root.exists():  # written by an older version (no split.json): keep its tasks
+            if not (root / "train").is_dir() or not (root / "heldout").is_dir():
+                raise ConfigError(f"{root} exists but holds no train/heldout split; remove it")
+        else:
+            write_task_split(cfg, root)
     train = [load_task(p) for p in sorted((root / "train").iterdir())]
     held = [load_task(p) for p in sorted((root / "heldout").iterdir())]
     return train, held

@@ -68,3 +68,27 @@ class ProceduralGenerator:
         else:
             raise ConfigError(f"unknown task format {fmt!r} (tmax or harbor)")
         return Generated(out, fam.name, sig.to_dict())
+
+    def generate_family(self, out_root: Path, family: str, seed: int, fmt: str = "harbor") -> Generated:
+        """Task number ``seed`` of the named family (its own stream: the same task whatever else is
+        generated), written to ``out_root/<family>-<seed>``. The family fixes its axes; the persona and
+        task complexity are drawn from the sampler."""
+        fam = self.families.get(family)
+        if fam is None:
+            raise ConfigError(f"unknown task family {family!r} (known: {', '.join(sorted(self.families))})")
+        rng = random.Random(f"tmax-jax:{family}:{seed}")
+        sig = self.sampler.sample(
+            rng, domain=fam.domain, skill_type=fam.skill_type, primitive_skill=fam.primitive_skill,
+            fixture_kind=fam.fixture_kind, command_complexity=fam.command_complexity,
+            verifier_kind=fam.verifier_kind,
+        )  # fmt: skip
+        draft = fam.make(rng, sig)
+        name = f"{family}-{seed:07d}"
+        out = Path(out_root) / name
+        if fmt == "tmax":
+            write_tmax_dir(draft, sig.to_dict(), out, name, seed)
+        elif fmt == "harbor":
+            write_harbor_dir(draft, sig.to_dict(), out, name, seed)
+        else:
+            raise ConfigError(f"unknown task format {fmt!r} (tmax or harbor)")
+        return Generated(out, fam.name, sig.to_dict())
