@@ -168,11 +168,6 @@ def test_endpoint_agent_against_tmax_jax_serve(one_task, tiny_ckpt, tmp_path):
     assert roles[:3] == ["system", "user", "assistant"] and traj["num_turns"] >= 1
 
 
-class _Res:
-    def __init__(self, output):
-        self.output, self.exit_code, self.timed_out = output, 0, False
-
-
 @pytest.mark.parametrize("style", ["tool_calls", "xml"])
 def test_endpoint_agent_executes_tool_calls_in_a_real_shell(style):
     agent = EndpointAgent("http://127.0.0.1:9", "m", AgentConfig())
@@ -192,14 +187,63 @@ def test_endpoint_agent_executes_tool_calls_in_a_real_shell(style):
         msg = {"content": "Let me do it.\n" + render_tool_call(cmd)}
     traj = ChatTrajectory("t", [])
     with make_sandbox(SandboxConfig()) as sb:
-        sh = sb.shell()
-        obs, done, call_id = agent._act(msg, sh, traj)
-        assert "hi" in obs and "exit_code=0" in obs and not done
-        assert call_id == ("c1" if style == "tool_calls" else None)
-        obs, done, _ = agent._act({"content": render_tool_call(f"echo {SUBMIT_MARKER}")}, sh, traj)
-        assert done
-    bad, done, _ = agent._act({"content": "no tool call here"}, None, traj)
-    assert bad.startswith("Format error") and traj.num_format_errors == 1 and not done
+        session = agent.harness.start(sb.shell(), agent.cfg)
+        step, ids = agent._act(msg, session, traj)
+        assert "hi" in step.observation and "exit_code=0" in step.observation and not step.done
+        assert ids == (["c1"] if style == "tool_calls" else [])
+        reply = agent._observation_messages(step.observation, ids)
+        assert [m["role"] for m in reply] == (["tool"] if ids else ["user"])
+        step, _ = agent._act({"content": render_tool_call(f"echo {SUBMIT_MARKER}")}, session, traj)
+        assert step.done
+        bad, _ = agent._act({"content": "no tool call here"}, session, traj)
+        assert bad.observation.startswith("Format error") and traj.num_format_errors == 1 and not bad.done
+        # Arguments that are not JSON are a counted format error, not a crash.
+        junk = {"content": "", "tool_calls": [{"id": "c2", "function": {"name": "bash", "arguments": "{ls"}}]}
+        step, ids = agent._act(junk, session, traj)
+        assert "not a JSON object" in step.observation and traj.num_format_errors == 2 and ids == ["c2"]
+
+
+def test_endpoint_agent_openhands_editor_through_tool_calls():
+    agent = EndpointAgent("http://127.0.0.1:9", "m", AgentConfig(harness="openhands"))
+    assert [t["function"]["name"] for t in agent.harness.tools] == [
+        "execute_bash",
+        "str_replace_editor",
+        "finish",
+    ]
+    calls = [
+        {"id": "a", "function": {"name": "str_replace_editor", "arguments": json.dumps(
+            {"command": "create", "path": "/app/n.txt", "file_text": "one\ntwo\n"})}},
+        {"id": "b", "function": {"name": "str_replace_editor", "arguments": json.dumps(
+            {"command": "insert", "path": "/app/n.txt", "insert_line": 1, "new_str": "1.5"})}},
+        {"id": "c", "function": {"name": "execute_bash", "arguments": json.dumps({"command": "cat -A n.txt"})}},
+    ]  # fmt: skip
+    traj = ChatTrajectory("t", [], harness="openhands")
+    with make_sandbox(SandboxConfig()) as sb:
+        session = agent.harness.start(sb.shell(), agent.cfg)
+        step, ids = agent._act({"content": None, "tool_calls": calls}, session, traj)
+        assert sb.read_file("/app/n.txt") == b"one\n1.5\ntwo\n"
+    assert "one$\n1.5$\ntwo$" in step.observation and "[exit code 0, cwd /app]" in step.observation
+    assert ids == ["a", "b", "c"] and traj.num_format_errors == 0
+    msgs = agent._observation_messages(step.observation, ids)
+    assert [m["tool_call_id"] for m in msgs] == ids and msgs[0]["content"] == step.observation
+
+
+def test_endpoint_agent_elides_old_outputs_near_the_context_limit():
+    cfg = AgentConfig(max_context_tokens=1000, max_tokens_per_turn=100, keep_recent_outputs=2, elide_at=0.75)
+    agent = EndpointAgent("http://127.0.0.1:9", "m", cfg)
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "the task " * 10}]
+    for i in range(5):
+        messages += [{"role": "assistant", "content": f"call {i}"}, {"role": "user", "content": f"{i}" * 800}]
+    traj = ChatTrajectory("t", messages)
+    assert agent._fits(messages, traj, scale=1.0)
+    # The oldest outputs went first; the task, the replies and the two newest outputs are intact.
+    contents = [m["content"] for m in messages]
+    assert contents[1] == "the task " * 10 and contents[2::2] == [f"call {i}" for i in range(5)]
+    assert contents[3] == "[output elided to save context: 800 characters]" and traj.elided_outputs >= 1
+    assert contents[-1] == "4" * 800 and contents[-3] == "3" * 800
+    # When eliding cannot make room (the newest outputs alone are too long), the episode is out of room.
+    messages[-1]["content"] = "x" * 5000
+    assert not agent._fits(messages, traj, scale=1.0)
 
 
 def test_cli_eval_oracle_and_bad_options(one_task, tmp_path, capsys):
@@ -221,15 +265,54 @@ def test_endpoint_agent_terminus_keystrokes_in_a_real_shell():
             "analysis": "need the file",
             "plan": "write it, then show it",
             "commands": [
-                {"keystrokes": "cd /app && echo Hello > hello.txt", "duration": 1},
-                {"keystrokes": "cat hello.txt"},
+                {"keystrokes": "cd /app && echo Hello > hello.txt\n", "duration": 1},
+                {"keystrokes": "cat hello.txt\n"},
             ],
             "task_complete": True,
         }
     )
-    traj = ChatTrajectory("t", [])
+    traj = ChatTrajectory("t", [], harness="terminus")
     with make_sandbox(SandboxConfig()) as sb:
-        obs, done, call_id = agent._act({"content": "Sure.\n" + reply}, sb.shell(), traj)
+        session = agent.harness.start(sb.shell(), agent.cfg)
+        step, ids = agent._act({"content": "Sure.\n" + reply}, session, traj)
         assert sb.exec("cat /app/hello.txt").stdout == "Hello\n"
-    # The second command ran in the first one's cwd (one persistent shell), and the episode ends.
-    assert "Hello" in obs and done and call_id is None and traj.num_format_errors == 0
+        # The second command ran in the first one's cwd (one terminal); completion is confirmed first.
+        assert "\nHello\n" in step.observation and not step.done and ids == []
+        assert agent._observation_messages(step.observation, ids)[0]["role"] == "user"
+        done, _ = agent._act({"content": json.dumps({"commands": [], "task_complete": True})}, session, traj)
+        assert done.done and traj.num_format_errors == 0
+
+
+def test_cli_eval_one_checkpoint_under_every_harness(small_task_set, tiny_ckpt, tmp_path, capsys):
+    out = tmp_path / "all"
+    argv = ["eval", "--checkpoint", str(tiny_ckpt), "--tasks", str(small_task_set), "--out", str(out)]
+    argv += ["--harness", "all", "--max-turns", "1", "--max-tokens-per-turn", "8", "--max-context", "2048"]
+    assert cli_main(argv) == 0
+    printed = capsys.readouterr().out
+    assert f"report: {out / 'report.html'}" in printed and "[openhands] 2 tasks evaluated" in printed
+    combined = json.loads((out / "summary.json").read_text())
+    assert combined["harnesses"] == ["bash", "mini-swe", "openhands", "terminus"]
+    assert combined["categories"] == ["files", "text"] and combined["agent"] == f"ckpt-{tiny_ckpt.name}"
+    for h in combined["harnesses"]:
+        run = json.loads((out / h / "summary.json").read_text())
+        assert run["harness"] == h and run["checkpoint"] == str(tiny_ckpt.resolve())
+        # The combined table holds exactly each run's own numbers.
+        assert combined["by_harness"][h]["overall"] == run["overall"]
+        assert combined["by_harness"][h]["categories"]["text"] == run["categories"]["text"]
+        assert run["overall"]["attempts"] == 2 and run["overall"]["errors"] == 0
+        traj = json.loads((out / h / "tasks" / "shout" / "attempt-0" / "trajectory.json").read_text())
+        assert traj["info"]["harness"] == h and traj["num_turns"] == 1 and sum(traj["response_mask"])
+        system = traj["messages"][0]["content"]
+        assert system == AgentConfig(harness=h).prompt()
+    page = (out / "report.html").read_text()
+    assert "pass@1: harness x category" in page and all(
+        f'href="{h}/report.html"' in page for h in combined["harnesses"]
+    )
+    assert "<th>files</th><th>text</th>" in page
+    # Each harness's results resume on their own: the same command runs nothing again.
+    assert cli_main(argv) == 0
+    assert all(
+        json.loads((out / h / "summary.json").read_text())["attempts_run"] == 0 for h in combined["harnesses"]
+    )
+    assert cli_main(["eval", "--tasks", str(small_task_set), "--agent", "oracle", "--harness", "all"]) == 2
+    assert "--harness all needs a model agent" in capsys.readouterr().err

@@ -150,3 +150,57 @@ over held-out tasks x {summary.get("samples_per_task")} samples, same sampling s
 <p><img src="learning_curve.png" alt="learning curve"></p>
 </body></html>
 """
+
+
+def render_harness_html(matrix: Mapping[str, Any]) -> str:
+    """The report of one agent under several harnesses: a harness x category table of pass@1 (and
+    pass@k), each harness linking to its own full report (``summary.harness_matrix``)."""
+    ks: list[int] = matrix["ks"]
+    k = matrix["k"]
+    cats: list[str] = matrix["categories"]
+    by = matrix["by_harness"]
+
+    def cell(s: Mapping[str, Any] | None, j: int) -> str:
+        if s is None:
+            return "n/a"
+        return f"{_fmt(s['pass_at'].get(str(j)))} <small>({s['evaluated']})</small>"
+
+    tables = []
+    for j in sorted({1, k}):
+        rows = [
+            [f'<a href="{escape(by[h]["report"])}">{escape(h)}</a>', cell(by[h]["overall"], j)]
+            + [cell(by[h]["categories"].get(c), j) for c in cats]
+            for h in matrix["harnesses"]
+        ]
+        tables.append(f"<h2>pass@{j}: harness x category</h2>\n" + _table(["harness", "all", *cats], rows))
+    stat_header = ["", "tasks", "evaluated", "env unavailable", "invalid", *[f"pass@{j}" for j in ks]]
+    stat_header += ["mean reward", "errors"]
+    overall_rows = [_stats_row(h, by[h]["overall"], ks) for h in matrix["harnesses"]]
+    chart = bar_chart(
+        list(matrix["harnesses"]),
+        {"pass@1": [by[h]["overall"]["pass_at"]["1"] for h in matrix["harnesses"]]},
+        title="pass@1 per harness, all evaluated tasks",
+    )
+    meta_items = "".join(
+        f"<li><b>{escape(str(key))}</b>: {escape(str(matrix[key]))}</li>"
+        for key in ("agent", "model", "tasks_dir")
+        if key in matrix
+    )
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>tmax-jax eval by harness: {escape(str(matrix.get("agent", "")))}</title>
+<style>
+body {{ font-family: sans-serif; margin: 2em; }}
+table {{ border-collapse: collapse; margin: 1em 0; }}
+td, th {{ border: 1px solid #ccc; padding: 3px 8px; text-align: right; }}
+td:first-child, th:first-child {{ text-align: left; }}
+</style></head><body>
+<h1>Evaluation report: one agent, every harness</h1>
+<ul>{meta_items}<li><b>harnesses</b>: {escape(", ".join(matrix["harnesses"]))}</li></ul>
+<p>Each cell is pass@j over that category's evaluated tasks under that harness (the count of
+evaluated tasks in brackets); each harness name links to its full report.</p>
+{"".join(tables)}
+{chart}
+<h2>Per harness</h2>
+{_table(stat_header, overall_rows)}
+</body></html>
+"""

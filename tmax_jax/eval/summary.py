@@ -102,3 +102,34 @@ def summarize(
             {"task_id": r["task_id"], "reason": r["reason"]} for r in rows if r["status"] == "invalid"
         ],
     }
+
+
+def harness_matrix(
+    summaries: Mapping[str, Mapping[str, Any]], *, meta: Mapping[str, Any] | None = None
+) -> dict:
+    """One report over the runs of one agent under several harnesses (``tmax-jax eval --harness all``).
+
+    ``summaries``: harness -> that run's ``summarize`` output. The result holds, per harness, its
+    overall stats and its per-category stats (the harness x category table), the categories seen in
+    any run, and each run's own summary path (``<harness>/summary.json``).
+    """
+    if not summaries:
+        raise ValueError("harness_matrix needs at least one harness's summary")
+    ks = sorted({j for s in summaries.values() for j in s["ks"]})
+    categories = sorted({c for s in summaries.values() for c in s["categories"]})
+    return {
+        **dict(meta or {}),
+        "harnesses": list(summaries),
+        "k": max(s["k"] for s in summaries.values()),
+        "ks": ks,
+        "categories": categories,
+        "by_harness": {
+            h: {
+                "overall": s["overall"],
+                "categories": dict(s["categories"]),
+                "summary": f"{h}/summary.json",
+                "report": f"{h}/report.html",
+            }
+            for h, s in summaries.items()
+        },
+    }
