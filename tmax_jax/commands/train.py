@@ -13,7 +13,9 @@ def register(sub) -> None:
     p.add_argument(
         "--harness",
         choices=["bash", "mini-swe", "openhands", "terminus"],
-        help="the agent harness episodes run under (sets agent.harness; recorded in RUN_DIR/config.yaml)",
+        help="the agent harness episodes run under (sets agent.harness; recorded in RUN_DIR/config.yaml). "
+        "A config's agent.system_prompt still wins over the harness's own prompt: --set agent.system_prompt='' "
+        "to use it",
     )
     p.add_argument(
         "--set",
