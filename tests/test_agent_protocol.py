@@ -34,6 +34,11 @@ TOLERATED = [
         ["ls /app"],
     ),
     (
+        "cut after blank lines",
+        "<tool_call>\n<function=bash>\n<parameter=command>\nls /app\n\n\n",
+        ["ls /app"],
+    ),
+    (
         "</parameter> dropped",
         "<tool_call>\n<function=bash>\n<parameter=command>\ncat big.log | tail\n</function>\n</tool_call>",
         ["cat big.log | tail"],

@@ -128,6 +128,8 @@ class _Call:
         if self.param is None:
             return
         name, value = self.param, _strip_one_newline(text[self.param_start : end])
+        if end == len(text):  # cut off by the end of the reply: its trailing newlines are not content
+            value = value.rstrip("\n")
         self.param = None
         old = self.params.get(name)
         if old is None or not old.strip():
