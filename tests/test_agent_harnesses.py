@@ -109,6 +109,12 @@ def test_editor_view_create_replace_insert_undo(sandbox, shell):
     assert sandbox.read_file("/app/ed/t.txt").decode() == tricky
     ed("str_replace", "/app/ed/t.txt", old_str="$HOME", new_str="$PATH")
     assert sandbox.read_file("/app/ed/t.txt").decode() == tricky.replace("$HOME", "$PATH")
+    # Files too large to move whole through the shell's output cap, and binary files, are refused.
+    sandbox.exec("head -c 300000 /dev/zero | tr '\\0' x > /app/ed/big.txt; printf '\\xff\\xfe' > /app/ed/bin")
+    with pytest.raises(EditorError, match="too large"):
+        ed("view", "/app/ed/big.txt")
+    with pytest.raises(EditorError, match="not a UTF-8 text file"):
+        ed("str_replace", "/app/ed/bin", old_str="a", new_str="b")
 
 
 def test_openhands_tools_through_xml_calls(sandbox, shell):

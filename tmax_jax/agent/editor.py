@@ -13,12 +13,14 @@ message is the tool's answer to the model.
 from __future__ import annotations
 
 import base64
+import binascii
 import shlex
 from typing import Any
 
 from tmax_jax.errors import TmaxError
 
-MAX_FILE_BYTES = 1 << 20
+# Base64 of the largest file must pass the shell's output cap (1 MiB by default) whole.
+MAX_FILE_BYTES = 256 << 10
 SNIPPET_LINES = 4
 COMMANDS = ("view", "create", "str_replace", "insert", "undo_edit")
 
@@ -63,7 +65,10 @@ class FileEditor:
             raise EditorError(f"cannot read {path}: {head[6:]}")
         if not head.startswith("__OK"):
             raise EditorError(f"cannot read {path}: {out.strip()[:200]}")
-        raw = base64.b64decode(body.strip())
+        try:
+            raw = base64.b64decode(body.strip(), validate=True)
+        except binascii.Error as e:
+            raise EditorError(f"cannot read {path}: its content did not come back whole") from e
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError as e:
