@@ -1,4 +1,11 @@
-"""Test-wide setup: 8 fake CPU devices for sharding tests, float32 matmuls, strict rank promotion."""
+"""Test-wide setup: 8 fake CPU devices for sharding tests, float32 matmuls, strict rank promotion.
+
+Strict rank promotion (an implicit broadcast between arrays of different rank is an error; scalars
+still broadcast) applies to tests marked ``strict_ranks`` (module-wide with ``pytestmark``): the
+code under them is clean. The model code still broadcasts [D] weights against [B, T, D]
+activations implicitly (rope, norms, DeltaNet conv / gates, delta rule masks), so tests that run the
+model are not marked yet.
+"""
 
 import os
 
@@ -8,3 +15,22 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+# float32 matmuls mean float32 (no TF32 / bf16 passes on accelerators), so references agree.
+jax.config.update("jax_default_matmul_precision", "float32")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "strict_ranks: run under jax_numpy_rank_promotion='raise'")
+
+
+@pytest.fixture(autouse=True)
+def _rank_promotion(request):
+    if request.node.get_closest_marker("strict_ranks") is None:
+        yield
+        return
+    with jax.numpy_rank_promotion("raise"):
+        yield

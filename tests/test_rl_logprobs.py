@@ -7,6 +7,8 @@ import pytest
 
 from tmax_jax.rl import LogprobInputError, token_logprobs, token_logprobs_plain
 
+pytestmark = pytest.mark.strict_ranks
+
 
 def np_logprobs(h, w, t, temperature):
     logits = (h.astype(np.float64) @ w.astype(np.float64)) / temperature

@@ -1,11 +1,16 @@
-"""DPPO / PPO-clip / GRPO against NumPy references written here (value and gradient)."""
+"""Every registered loss (DPPO, PPO-clip, GRPO, CISPO, SFT) and the off-policy corrections against
+NumPy float64 references written here (value and gradient), and the mismatch / staleness statistics."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tmax_jax.errors import ConfigError
 from tmax_jax.rl import LossConfig, LossInputError, dppo_loss, policy_loss
+from tmax_jax.rl.losses import LOSSES, get_loss
+
+pytestmark = pytest.mark.strict_ranks
 
 
 def np_dppo(lp, mu_lp, adv, mask, delta, divergence):
@@ -232,3 +237,185 @@ def test_policy_loss_dppo_equals_public_api():
         jnp.asarray(mask),
     )
     assert float(got) == float(want)
+
+
+# -- the registry, the new losses and the off-policy corrections -------------------------------------
+
+
+def per_token_case(seed, spread=0.6):
+    lp, mu_lp, adv, mask = make_case(seed, spread=spread)
+    rng = np.random.default_rng(seed + 1)
+    a = rng.normal(size=lp.shape).astype(np.float32)
+    return lp, mu_lp, a, mask
+
+
+def value_and_grad(cfg, lp, mu_lp, a, mask, seg=None, lag=None):
+    def f(x):
+        return policy_loss(
+            cfg,
+            x,
+            jnp.asarray(mu_lp),
+            jnp.asarray(a),
+            jnp.asarray(mask),
+            None if seg is None else jnp.asarray(seg),
+            None if lag is None else jnp.asarray(lag),
+        )
+
+    (loss, metrics), grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(lp))
+    return float(loss), np.asarray(grad), metrics
+
+
+def test_registry_has_every_loss_and_rejects_unknown_names():
+    assert set(LOSSES) == {"dppo", "grpo", "ppo_clip", "cispo", "sft"}
+    with pytest.raises(LossInputError, match="loss name must be one of"):
+        get_loss("dpo")
+    with pytest.raises(ConfigError, match="loss.name must be one of"):
+        LossConfig(name="dpo")
+
+
+def test_dppo_separate_low_and_high_thresholds_match_numpy():
+    lp, mu_lp, a, mask = per_token_case(3, spread=1.0)
+    lo, hi = 0.05, 0.25
+    r = np.exp(lp.astype(np.float64) - mu_lp)
+    d = np.abs(np.exp(lp.astype(np.float64)) - np.exp(mu_lp.astype(np.float64)))
+    bad = ((d > hi) & (a > 0) & (r > 1)) | ((d > lo) & (a < 0) & (r < 1))
+    keep = (~bad) * mask
+    n = mask.sum()
+    loss, grad, m = value_and_grad(LossConfig(delta=lo, delta_high=hi), lp, mu_lp, a, mask)
+    np.testing.assert_allclose(loss, np.sum(-a * r * keep) / n, rtol=2e-5)
+    np.testing.assert_allclose(grad, -a * r * keep / n, rtol=2e-5, atol=1e-7)
+    np.testing.assert_allclose(float(m["masked_fraction"]), (bad * mask).sum() / n, rtol=1e-6)
+    # The two thresholds really differ on this case (one-threshold DPPO masks something else).
+    only_lo = ((d > lo) & (((a > 0) & (r > 1)) | ((a < 0) & (r < 1)))) * mask
+    assert only_lo.sum() > (bad * mask).sum()
+
+
+def test_cispo_matches_numpy():
+    lp, mu_lp, a, mask = per_token_case(5)
+    eps_high = 0.3
+    r = np.exp(lp.astype(np.float64) - mu_lp)
+    w = np.minimum(r, 1 + eps_high)
+    n = mask.sum()
+    loss, grad, m = value_and_grad(LossConfig(name="cispo", clip_eps_high=eps_high), lp, mu_lp, a, mask)
+    np.testing.assert_allclose(loss, np.sum(-w * a * lp * mask) / n, rtol=2e-5)
+    np.testing.assert_allclose(grad, -w * a * mask / n, rtol=2e-5, atol=1e-7)  # d log pi / d lp = 1
+    np.testing.assert_allclose(float(m["masked_fraction"]), ((r > 1 + eps_high) * mask).sum() / n, rtol=1e-6)
+    assert 0 < float(m["masked_fraction"]) < 1
+
+
+def test_sft_is_the_token_nll():
+    lp, mu_lp, a, mask = per_token_case(7)
+    n = mask.sum()
+    loss, grad, m = value_and_grad(LossConfig(name="sft"), lp, mu_lp, a, mask)
+    np.testing.assert_allclose(loss, -np.sum(lp.astype(np.float64) * mask) / n, rtol=2e-6)
+    np.testing.assert_allclose(grad, -mask / n, rtol=1e-6)
+    np.testing.assert_allclose(
+        float(m["token_prob_mean"]), (np.exp(lp.astype(np.float64)) * mask).sum() / n, rtol=1e-5
+    )
+    # Neither the advantages nor the rollout logprobs matter.
+    loss2, _, _ = value_and_grad(LossConfig(name="sft"), lp, mu_lp * 0 - 3.0, -a, mask)
+    assert loss2 == loss
+
+
+@pytest.mark.parametrize("name", ["dppo", "ppo_clip"])
+def test_token_level_tis_caps_the_gradient_weight(name):
+    lp, mu_lp, a, mask = per_token_case(9, spread=0.8)
+    cap = 1.5
+    r = np.exp(lp.astype(np.float64) - mu_lp)
+    n = mask.sum()
+    base_loss, base_grad, _ = value_and_grad(LossConfig(name=name, delta=0.3), lp, mu_lp, a, mask)
+    loss, grad, m = value_and_grad(LossConfig(name=name, delta=0.3, tis_cap=cap), lp, mu_lp, a, mask)
+    # Per token, the gradient's weight r becomes min(r, cap): the uncorrected gradient times min(r, C)/r.
+    w = np.minimum(r, cap) / r
+    np.testing.assert_allclose(grad, base_grad * w, rtol=3e-5, atol=1e-7)
+    if name == "dppo":
+        d = np.abs(np.exp(lp.astype(np.float64)) - np.exp(mu_lp.astype(np.float64)))
+        bad = (d > 0.3) & (((a > 0) & (r > 1)) | ((a < 0) & (r < 1)))
+        np.testing.assert_allclose(loss, np.sum(-a * np.minimum(r, cap) * (~bad) * mask) / n, rtol=2e-5)
+    np.testing.assert_allclose(float(m["tis_capped_fraction"]), ((r > cap) * mask).sum() / n, rtol=1e-6)
+    assert float(m["tis_capped_fraction"]) > 0 and loss != base_loss
+
+
+def test_tis_is_rejected_for_losses_without_an_importance_weight():
+    for name in ("cispo", "sft"):
+        with pytest.raises(ConfigError, match="tis_cap does not apply"):
+            LossConfig(name=name, tis_cap=2.0)
+    for bad, match in [
+        (dict(tis_cap=0.5), "tis_cap must be >= 1"),
+        (dict(tis_cap=-1.0), "tis_cap must be a number > 0"),
+        (dict(seq_mask_low=1.2), "seq_mask_low must be <= 1"),
+        (dict(seq_mask_high=0.9), "seq_mask_high must be >= 1"),
+        (dict(top_k=-2), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(delta_high=-0.1), "delta"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            LossConfig(**bad)
+    d = LossConfig()  # TMAX's recipe: DPPO TV 0.1, no corrections
+    assert (d.name, d.divergence, d.delta, d.delta_high, d.tis_cap, d.seq_mask_low, d.seq_mask_high) == (
+        "dppo",
+        "tv",
+        0.1,
+        None,
+        None,
+        None,
+        None,
+    )
+    assert not d.truncated
+
+
+def test_sequence_masking_drops_whole_sequences_by_geometric_mean_ratio():
+    lp, mu_lp, _, mask = make_case(21, B=3, T=10, spread=0.5)
+    mask[-1] = 1.0
+    seg = np.array([[1] * 4 + [2] * 6, [1] * 10, [1] * 3 + [2] * 3 + [3] * 4], np.int32)
+    rng = np.random.default_rng(2)
+    a = rng.normal(size=lp.shape).astype(np.float32)
+    lo, hi = 0.8, 1.25
+    keep_seq = np.zeros_like(mask)
+    geos = []
+    for b in range(3):
+        for s in np.unique(seg[b]):
+            sel = (seg[b] == s) & (mask[b] > 0)
+            if not sel.any():
+                continue
+            geo = np.exp(np.mean(lp[b][sel].astype(np.float64) - mu_lp[b][sel]))
+            geos.append(geo)
+            keep_seq[b][seg[b] == s] = float(lo <= geo <= hi)
+    assert min(geos) < lo or max(geos) > hi  # the case drops something ...
+    assert any(lo <= g <= hi for g in geos)  # ... and keeps something
+    r = np.exp(lp.astype(np.float64) - mu_lp)
+    d = np.abs(np.exp(lp.astype(np.float64)) - np.exp(mu_lp.astype(np.float64)))
+    bad = (d > 0.1) & (((a > 0) & (r > 1)) | ((a < 0) & (r < 1)))
+    keep = (~bad) * mask * keep_seq
+    n = mask.sum()  # dropped tokens still count in the normaliser, like DPPO's masked ones
+    cfg = LossConfig(seq_mask_low=lo, seq_mask_high=hi)
+    loss, grad, m = value_and_grad(cfg, lp, mu_lp, a, mask, seg)
+    np.testing.assert_allclose(loss, np.sum(-a * r * keep) / n, rtol=2e-5)
+    np.testing.assert_allclose(grad, -a * r * keep / n, rtol=2e-5, atol=1e-7)
+    np.testing.assert_allclose(float(m["seq_masked_fraction"]), (mask * (1 - keep_seq)).sum() / n, rtol=1e-6)
+
+
+def test_mismatch_and_staleness_statistics_match_numpy():
+    lp, mu_lp, a, mask = per_token_case(23, spread=0.3)
+    rng = np.random.default_rng(4)
+    lag = rng.choice([-1, 0, 0, 1, 2, 5], size=lp.shape).astype(np.int32)
+    _, _, m = value_and_grad(LossConfig(), lp, mu_lp, a, mask, lag=lag)
+    x, mu = lp.astype(np.float64), mu_lp.astype(np.float64)
+    same = (mask > 0) & (lag == 0)
+    known = (mask > 0) & (lag >= 0)
+    diff = np.abs(x - mu)
+    log_r = x - mu
+    np.testing.assert_allclose(float(m["mismatch/tokens"]), same.sum())
+    np.testing.assert_allclose(float(m["mismatch/max_abs_logprob_diff"]), diff[same].max(), rtol=1e-6)
+    np.testing.assert_allclose(float(m["mismatch/mean_abs_logprob_diff"]), diff[same].mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(m["mismatch/kl"]), (np.expm1(log_r) - log_r)[same].mean(), rtol=1e-4)
+    np.testing.assert_allclose(
+        float(m["staleness/off_policy_fraction"]), (known & (lag > 0)).sum() / known.sum()
+    )
+    for label, sel in [("0", lag == 0), ("1", lag == 1), ("2", lag == 2), ("3+", lag >= 3)]:
+        np.testing.assert_allclose(
+            float(m[f"staleness/lag_{label}_fraction"]), (known & sel).sum() / known.sum()
+        )
+    # Without lags the step reports no mismatch / staleness numbers at all.
+    _, _, plain = value_and_grad(LossConfig(), lp, mu_lp, a, mask)
+    assert not any(k.startswith(("mismatch/", "staleness/")) for k in plain)

@@ -1,9 +1,16 @@
-"""Per-token logprobs from hidden states with a float32 LM head, chunked over the sequence.
+"""The policy head: float32 token log-probabilities under temperature (and top-k / top-p truncation).
 
-The one definition of a token's logprob shared by the trainer and the rollout engine:
-``log_softmax(hidden @ W / temperature)[target]`` in float32. At a 248K vocabulary and 64K tokens the
-full [B, T, V] logits would be ~60 GiB in float32, so the head runs over sequence chunks inside a
-``lax.scan`` whose body is rematerialised: forward and backward each hold one [B, chunk, V] buffer.
+One definition shared by the rollout engine's sampler, the RL trainer and SFT, so DPPO's premise
+(trainer and engine compute the same probabilities) holds by construction:
+
+* ``head_logits(hidden, W)``: the float32 LM head, ``hidden @ W`` at ``head_precision()``;
+* ``logprobs_from_logits(logits, tokens, temperature, top_k, top_p)``: the float32
+  ``log_softmax(logits / T)`` at ``tokens``, optionally over the truncated (top-k / nucleus) support;
+* ``token_logprobs(hidden, W, targets, ...)``: both, chunked over the sequence for training.
+
+At a 248K vocabulary and 64K tokens the full [B, T, V] logits would be ~60 GiB in float32, so
+``token_logprobs`` runs the head over sequence chunks inside a ``lax.scan`` whose body is
+rematerialised: forward and backward each hold one [B, chunk, V] buffer.
 """
 
 from __future__ import annotations
@@ -13,11 +20,83 @@ import jax.numpy as jnp
 
 from tmax_jax.errors import TmaxError
 
-_HEAD_PRECISION = jax.lax.Precision.HIGHEST
+# Temperatures at or below this are greedy: the logprob is that of the plain (T = 1) logits.
+GREEDY_EPS = 1e-5
+# A target outside the truncated support has probability 0 there; its logprob is floored here so
+# masked positions (prompt, padding) never turn sums into inf * 0 = NaN. exp(-100) ~ 4e-44.
+TRUNCATED_LOGPROB_FLOOR = -100.0
 
 
 class LogprobInputError(TmaxError, ValueError):
     """hidden / lm_head / targets disagree in shape or dtype."""
+
+
+def head_precision() -> jax.lax.Precision | None:
+    """The one precision policy of the float32 head: HIGHEST on accelerators, whose default f32 dot
+    may round inputs (TF32 / bf16 passes); the default on CPU, whose f32 dot is already exact (and
+    where HIGHEST was seen to deadlock XLA's thread pool next to LAPACK solves on 2 cores)."""
+    return None if jax.default_backend() == "cpu" else jax.lax.Precision.HIGHEST
+
+
+def head_logits(hidden_NxD: jax.Array, lm_head_DxV: jax.Array) -> jax.Array:
+    """float32 ``hidden @ W`` over any leading dims of ``hidden`` (inputs cast to float32 first)."""
+    return jnp.einsum(
+        "...d,dv->...v",
+        hidden_NxD.astype(jnp.float32),
+        lm_head_DxV.astype(jnp.float32),
+        precision=head_precision(),
+        preferred_element_type=jnp.float32,
+    )
+
+
+def tempered(logits_NxV: jax.Array, temperature) -> jax.Array:
+    """float32 ``logits / T`` with T broadcast over the leading dims (greedy T counts as 1)."""
+    t_N = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), logits_NxV.shape[:-1])
+    t_N = jnp.where(t_N <= GREEDY_EPS, 1.0, t_N)
+    return logits_NxV.astype(jnp.float32) / t_N[..., None]
+
+
+def truncation_threshold(scaled_NxV: jax.Array, top_k, top_p) -> jax.Array:
+    """Per position, the smallest scaled logit still drawable under top-k and top-p (ties kept).
+
+    ``top_k <= 0`` and ``top_p >= 1`` disable either filter. The nucleus is the smallest prefix of
+    the sorted tokens whose mass reaches ``top_p``: a token is in it when the mass strictly before
+    it is still below ``top_p`` (so the top token is always kept).
+    """
+    scaled_NxV = jax.lax.stop_gradient(scaled_NxV)
+    vocab = scaled_NxV.shape[-1]
+    lead = scaled_NxV.shape[:-1]
+    top_k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), lead)
+    top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), lead)
+    sorted_NxV = jnp.sort(scaled_NxV, axis=-1, descending=True)
+    k = jnp.where(top_k <= 0, vocab, jnp.minimum(top_k, vocab))
+    kth = jnp.take_along_axis(sorted_NxV, (k - 1)[..., None], axis=-1)[..., 0]
+    probs_NxV = jax.nn.softmax(sorted_NxV, axis=-1)
+    mass_before_NxV = jnp.cumsum(probs_NxV, axis=-1) - probs_NxV
+    n_keep = jnp.maximum(jnp.sum(mass_before_NxV < top_p[..., None], axis=-1), 1)
+    pth = jnp.take_along_axis(sorted_NxV, (n_keep - 1)[..., None], axis=-1)[..., 0]
+    return jnp.maximum(kth, jnp.where(top_p >= 1.0, -jnp.inf, pth))
+
+
+def logprobs_from_logits(logits_NxV, tokens_N, temperature=1.0, top_k=None, top_p=None) -> jax.Array:
+    """float32 log-probability of ``tokens`` under ``softmax(logits / T)``.
+
+    With ``top_k`` / ``top_p`` given (scalars or one per position), the distribution is the
+    truncated one the sampler draws from: renormalised over the kept tokens; a token outside it
+    gets ``TRUNCATED_LOGPROB_FLOOR``. ``None`` for both: the untruncated tempered distribution.
+    """
+    scaled_NxV = tempered(logits_NxV, temperature)
+    if top_k is not None or top_p is not None:
+        thr_N = truncation_threshold(
+            scaled_NxV, 0 if top_k is None else top_k, 1.0 if top_p is None else top_p
+        )
+        scaled_NxV = jnp.where(scaled_NxV >= thr_N[..., None], scaled_NxV, -jnp.inf)
+    lse_N = jax.nn.logsumexp(scaled_NxV, axis=-1)
+    picked_N = jnp.take_along_axis(scaled_NxV, tokens_N[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    lp_N = picked_N - lse_N
+    if top_k is not None or top_p is not None:
+        lp_N = jnp.maximum(lp_N, TRUNCATED_LOGPROB_FLOOR)
+    return lp_N
 
 
 def _check(hidden_BxTxD, lm_head_DxV, targets_BxT, temperature) -> None:
@@ -35,24 +114,26 @@ def _check(hidden_BxTxD, lm_head_DxV, targets_BxT, temperature) -> None:
         raise LogprobInputError(f"temperature must be > 0, got {temperature}")
 
 
-def _chunk_logprobs(h_BxCxD, w_DxV, t_BxC, inv_temp):
-    logits_BxCxV = jnp.einsum(
-        "bcd,dv->bcv", h_BxCxD.astype(jnp.float32), w_DxV.astype(jnp.float32), precision=_HEAD_PRECISION
-    )
-    logits_BxCxV = logits_BxCxV * inv_temp
-    lse_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
-    picked_BxC = jnp.take_along_axis(logits_BxCxV, t_BxC[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return picked_BxC - lse_BxC
+def _truncation(top_k: int, top_p: float) -> tuple:
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise LogprobInputError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+    if not 0.0 < top_p <= 1.0:
+        raise LogprobInputError(f"top_p must be in (0, 1], got {top_p!r}")
+    # Static: the sort behind truncation is only traced when a filter is on.
+    return (None, None) if top_k == 0 and top_p >= 1.0 else (top_k, top_p)
 
 
-def token_logprobs_plain(hidden_BxTxD, lm_head_DxV, targets_BxT, *, temperature=1.0):
+def token_logprobs_plain(hidden_BxTxD, lm_head_DxV, targets_BxT, *, temperature=1.0, top_k=0, top_p=1.0):
     """Reference: the full [B, T, V] float32 logits at once (tests, short sequences)."""
     _check(hidden_BxTxD, lm_head_DxV, targets_BxT, temperature)
-    return _chunk_logprobs(hidden_BxTxD, lm_head_DxV, targets_BxT, 1.0 / jnp.float32(temperature))
+    k, p = _truncation(top_k, top_p)
+    return logprobs_from_logits(head_logits(hidden_BxTxD, lm_head_DxV), targets_BxT, temperature, k, p)
 
 
-def token_logprobs(hidden_BxTxD, lm_head_DxV, targets_BxT, *, temperature=1.0, chunk_size=1024):
-    """float32 [B, T]: log_softmax(hidden @ lm_head / temperature) at ``targets``, chunked over T.
+def token_logprobs(
+    hidden_BxTxD, lm_head_DxV, targets_BxT, *, temperature=1.0, top_k=0, top_p=1.0, chunk_size=1024
+):
+    """float32 [B, T]: ``logprobs_from_logits(hidden @ lm_head, targets, ...)``, chunked over T.
 
     ``targets`` outside [0, V) give garbage, so mask such positions (padding) downstream; the train
     batch's padding uses target 0.
@@ -60,10 +141,14 @@ def token_logprobs(hidden_BxTxD, lm_head_DxV, targets_BxT, *, temperature=1.0, c
     _check(hidden_BxTxD, lm_head_DxV, targets_BxT, temperature)
     if chunk_size <= 0:
         raise LogprobInputError(f"chunk_size must be > 0, got {chunk_size}")
+    k, p = _truncation(top_k, top_p)
     B, T, D = hidden_BxTxD.shape
-    inv_temp = 1.0 / jnp.asarray(temperature, jnp.float32)
+
+    def chunk(h_BxCxD, t_BxC):
+        return logprobs_from_logits(head_logits(h_BxCxD, lm_head_DxV), t_BxC, temperature, k, p)
+
     if T <= chunk_size:
-        return jax.checkpoint(_chunk_logprobs)(hidden_BxTxD, lm_head_DxV, targets_BxT, inv_temp)
+        return jax.checkpoint(chunk)(hidden_BxTxD, targets_BxT)
     n_chunks = -(-T // chunk_size)
     pad = n_chunks * chunk_size - T
     h = jnp.pad(hidden_BxTxD, ((0, 0), (0, pad), (0, 0)))
@@ -71,7 +156,7 @@ def token_logprobs(hidden_BxTxD, lm_head_DxV, targets_BxT, *, temperature=1.0, c
     # [n, B, C, ...]: scan over chunks; the body is remat'd so only [B, C, V] is ever live.
     h_NxBxCxD = h.reshape(B, n_chunks, chunk_size, D).swapaxes(0, 1)
     t_NxBxC = t.reshape(B, n_chunks, chunk_size).swapaxes(0, 1)
-    body = jax.checkpoint(lambda hc, tc: _chunk_logprobs(hc, lm_head_DxV, tc, inv_temp))
+    body = jax.checkpoint(chunk)
 
     def step(carry, xs):
         return carry, body(*xs)

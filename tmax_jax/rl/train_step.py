@@ -17,12 +17,18 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tmax_jax import sharding as shd
+from tmax_jax.errors import ConfigError
 from tmax_jax.launch import serial_launch
 from tmax_jax.rl.config import LossConfig, RLConfig
 from tmax_jax.rl.logprobs import token_logprobs
 from tmax_jax.rl.losses import combine_stats, finalize_stats, loss_normalizer, loss_terms
 from tmax_jax.rl.optim import learning_rate_schedule, make_optimizer
 from tmax_jax.rl.packing import BATCH_FIELDS, validate_batch
+
+# Optional batch field: int32 [B, T], the learner's version minus the version that sampled each target
+# (< 0 where unknown or not generated). It feeds the mismatch / staleness metrics only; a batch
+# without it gets -1 everywhere.
+LAG_FIELD = "policy_lag"
 
 
 @struct.dataclass
@@ -72,7 +78,7 @@ class TrainStep:
         self.state_shardings = TrainState(
             step=replicated, params=self.param_shardings, opt_state=self.opt_shardings, rng=replicated
         )
-        self.batch_shardings = {k: shd.batch_sharding(mesh, 2) for k in BATCH_FIELDS}
+        self.batch_shardings = {k: shd.batch_sharding(mesh, 2) for k in (*BATCH_FIELDS, LAG_FIELD)}
         self._jitted = jax.jit(
             self._step,
             in_shardings=(self.state_shardings, self.batch_shardings),
@@ -107,14 +113,21 @@ class TrainStep:
     # -- batches ------------------------------------------------------------------------------------
     def put_batch(self, local_batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
         """Validate this process's rows and assemble the global, row-sharded batch."""
-        validate_batch(local_batch, rows_multiple=max(self.rows_multiple // jax.process_count(), 1))
+        local_batch = with_lag_field(local_batch)
+        validate_batch(
+            {k: v for k, v in local_batch.items() if k != LAG_FIELD},
+            rows_multiple=max(self.rows_multiple // jax.process_count(), 1),
+        )
         return shd.global_batch(local_batch, self.mesh)
 
     def __call__(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
         if not all(isinstance(v, jax.Array) for v in batch.values()):
             batch = self.put_batch(batch)
         else:
-            validate_batch(batch, rows_multiple=self.rows_multiple)
+            batch = with_lag_field(batch)
+            validate_batch(
+                {k: v for k, v in batch.items() if k != LAG_FIELD}, rows_multiple=self.rows_multiple
+            )
         with jax.set_mesh(self.mesh), serial_launch():
             return self._jitted(state, dict(batch))
 
@@ -126,7 +139,7 @@ class TrainStep:
 
     def _step(self, state: TrainState, batch):
         M = self.micro_batches
-        normalizer = loss_normalizer(self.cfg.loss.name, batch["response_mask"], batch["segment_ids"])
+        normalizer = loss_normalizer(self.cfg.loss, batch["response_mask"], batch["segment_ids"])
 
         def loss_and_grads(mb):
             (loss, stats), grads = jax.value_and_grad(self._micro_loss, has_aux=True)(
@@ -181,18 +194,50 @@ def batch_loss(model, mb: Mapping, loss_cfg: LossConfig, normalizer, *, hidden_s
         model.lm_head_weight(),
         mb["targets"],
         temperature=loss_cfg.temperature,
+        top_k=loss_cfg.top_k,
+        top_p=loss_cfg.top_p,
         chunk_size=loss_cfg.logprob_chunk,
     )
     loss_sum, stats = loss_terms(
-        loss_cfg.name,
         loss_cfg,
         logprobs_BxT,
         mb["rollout_logprobs"],
         mb["advantages"],
         mb["response_mask"],
         mb["segment_ids"],
+        mb.get(LAG_FIELD),
     )
     return loss_sum / normalizer, stats
+
+
+def with_lag_field(batch: Mapping) -> dict:
+    """``batch`` with the optional ``policy_lag`` field present (-1, unknown, when absent)."""
+    batch = dict(batch)
+    if LAG_FIELD not in batch:
+        ids = batch["input_ids"]
+        if isinstance(ids, jax.Array):
+            unknown = jax.jit(lambda x: jnp.full(x.shape, -1, jnp.int32), out_shardings=ids.sharding)
+            batch[LAG_FIELD] = unknown(ids)
+        else:
+            batch[LAG_FIELD] = np.full(np.shape(ids), -1, np.int32)
+    lag = batch[LAG_FIELD]
+    if tuple(np.shape(lag)) != tuple(np.shape(batch["input_ids"])) or np.dtype(lag.dtype) != np.int32:
+        raise ConfigError(
+            f"train batch field {LAG_FIELD!r} must be int32 {tuple(np.shape(batch['input_ids']))}, "
+            f"got {np.dtype(lag.dtype).name}{tuple(np.shape(lag))}"
+        )
+    return batch
+
+
+def policy_lag(trajectories, placement, shape, learner_version: int) -> np.ndarray:
+    """The ``policy_lag`` field for a batch packed by ``pack_trajectories``: per target, the learner's
+    version minus the version that sampled it (``policy_versions``), -1 where not generated."""
+    lag = np.full(shape, -1, np.int32)
+    for tr, (row, start, n) in zip(trajectories, placement):
+        versions = np.asarray(getattr(tr, "policy_versions", None) or [-1] * len(tr.tokens), np.int64)[1:]
+        gen = np.asarray(tr.response_mask, bool)[1:] & (versions >= 0)
+        lag[row, start : start + n] = np.where(gen, learner_version - versions, -1)
+    return lag
 
 
 def abstract_train_state(optimizer, params, state_shardings: TrainState) -> TrainState:

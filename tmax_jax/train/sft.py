@@ -1,8 +1,9 @@
 """SFT warm start: next-token NLL on the policy tokens of demonstration trajectories.
 
-``SFTStep`` reuses ``TrainStep`` (mesh, shardings, accumulation, AdamW) with the policy loss replaced
-by the negative log-likelihood of the masked tokens, normalised by their count. ``run_sft`` is the
-one SFT loop: the trainer's warm start and ``tmax-jax sft`` both call it.
+SFT is the RL ``TrainStep`` (mesh, shardings, accumulation, AdamW, the float32 policy head) with the
+registered ``sft`` loss: the negative log-likelihood of the masked tokens, normalised by their count,
+at temperature 1 (SFT fits the model's own distribution, whatever the rollout temperature). ``run_sft``
+is the one SFT loop: the trainer's warm start and ``tmax-jax sft`` both call it.
 """
 
 from __future__ import annotations
@@ -13,42 +14,17 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from tmax_jax.agent.trajectory import Trajectory, iter_jsonl, write_jsonl
 from tmax_jax.errors import ConfigError, TmaxError
-from tmax_jax.rl.logprobs import token_logprobs
+from tmax_jax.rl.config import LossConfig
 from tmax_jax.rl.train_step import TrainStep
 from tmax_jax.train.metrics import progress_bar
 
 SUMMARY_FILE = "sft_summary.json"
 EXAMPLES_FILE = "sft_examples.jsonl"  # the trajectories trained on, so a run can be inspected or redone
-
-
-class SFTStep(TrainStep):
-    def _micro_loss(self, params, mb, normalizer):
-        model = nnx.merge(self.graphdef, params, self.rest)
-        hidden_BxTxD = model.hidden_states(
-            mb["input_ids"], positions=mb["positions"], segment_ids=mb["segment_ids"]
-        )
-        # Temperature 1: SFT fits the model's own distribution, whatever the rollout temperature.
-        logprobs_BxT = token_logprobs(
-            hidden_BxTxD, model.lm_head_weight(), mb["targets"], chunk_size=self.cfg.loss.logprob_chunk
-        )
-        mask_BxT = mb["response_mask"].astype(jnp.float32)
-        nll_sum = -(logprobs_BxT * mask_BxT).sum()
-        zero = jnp.zeros((), jnp.float32)
-        stats = {
-            "tokens": mask_BxT.sum(),
-            "ratio_sum": (jnp.exp(logprobs_BxT) * mask_BxT).sum(),  # mean token probability, reported
-            "max_abs_logprob_diff": zero,
-            "masked": zero,
-            "masked_pos_adv": zero,
-            "masked_neg_adv": zero,
-        }
-        return nll_sum / normalizer, stats
 
 
 def run_sft(
@@ -104,14 +80,14 @@ def run_sft(
     if not data:
         raise TmaxError(f"SFT: none of the {len(examples)} example(s) is usable (see above)")
 
-    # A constant learning rate, and a per-token NLL whatever the RL loss normalises by.
+    # A constant learning rate and the token NLL (untruncated, temperature 1, no corrections).
     rl = dataclasses.replace(
         cfg.rl,
         optimizer=dataclasses.replace(cfg.rl.optimizer, learning_rate=sc.learning_rate, schedule="constant"),
-        loss=dataclasses.replace(cfg.rl.loss, name="dppo"),
+        loss=LossConfig(name="sft", logprob_chunk=cfg.rl.loss.logprob_chunk),
     )
     model = load_hf(init, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, remat=rl.train_step.remat)
-    step = SFTStep(model, rl, mesh if mesh is not None else make_mesh(cfg.mesh), cfg.mesh)
+    step = TrainStep(model, rl, mesh if mesh is not None else make_mesh(cfg.mesh), cfg.mesh)
     state = step.init_state(seed=cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     nll: list[float] = []
@@ -127,7 +103,7 @@ def run_sft(
             nll.append(float(m["loss"]))
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(nll=f"{nll[-1]:.3f}", p=f"{float(m['ratio_mean']):.3f}")
+                bar.set_postfix(nll=f"{nll[-1]:.3f}", p=f"{float(m['token_prob_mean']):.3f}")
     finally:
         if bar is not None:
             bar.close()
