@@ -2,8 +2,12 @@
 
 Columns: ``engine tok/s`` = all generated tokens / wall time of the whole batch through the
 orchestrator (prefills included); ``decode tok/s`` = the same once every request has its first
-token (continuous decoding); ``step-only`` = the jitted generate step alone; speedups are against
-transformers' generate tokens/s (prefill included) on the same prompts.
+token (continuous decoding); ``step-only`` = the jitted decode alone, in blocks of
+``decode_steps`` (``step ms`` per decode step; ``1-step ms`` = one ``Engine.generate`` call); speedups
+are against transformers' generate tokens/s (prefill included) on the same prompts. The last lines:
+the decode-step time ratio between the largest and 8 slots, and a GRPO-style group case
+(``--group-samples`` sampled completions of each of ``--group-prompts`` prompts) with the number of
+prompt rows the engine prefilled.
 
 Same random Qwen 3.5 weights (built with transformers, loaded into JAX via tmax_jax.checkpoints),
 same prompts, greedy, every sequence generating exactly ``--new`` tokens, measured in one run:
@@ -88,7 +92,16 @@ def bench_engine(model, prompts: np.ndarray, new: int, cache_dtype) -> dict:
     for _ in range(steps):
         state, res = engine.generate(params, state)
     res.data.block_until_ready()
-    step_s = (time.perf_counter() - t0) / steps
+    one_step_s = (time.perf_counter() - t0) / steps
+    k = engine.decode_steps
+    state, blk = engine.generate_block(params, state, k, plen + steps + 1)
+    blk.tokens.block_until_ready()
+    blocks = 4
+    t0 = time.perf_counter()
+    for b in range(blocks):
+        state, blk = engine.generate_block(params, state, k, plen + steps + (b + 1) * k + 1)
+    blk.tokens.block_until_ready()
+    step_s = (time.perf_counter() - t0) / (blocks * k)
     return dict(
         tok_s=c * new / wall,
         decode_tok_s=c * (new - 1) / max(t_end - decode_start, 1e-9),
@@ -96,7 +109,50 @@ def bench_engine(model, prompts: np.ndarray, new: int, cache_dtype) -> dict:
         ttft_in_batch=statistics.median(o.ttft_s for o in outs),
         step_tok_s=c / step_s,
         step_ms=step_s * 1e3,
+        one_step_ms=one_step_s * 1e3,
     )
+
+
+def bench_group(model, hf, prompts: np.ndarray, samples: int, new: int, slots: int, cache_dtype) -> dict:
+    """``samples`` sampled completions (T=1) of each prompt: engine tok/s, prompt rows it prefilled,
+    and transformers' sampled generate (``num_return_sequences``) on the same prompts."""
+    from tmax_jax.engine import Engine, Orchestrator, Request, SamplingParams
+
+    n, plen = prompts.shape
+    engine = Engine(
+        model, max_concurrent_decodes=slots, max_cache_length=plen + new + 8, max_prefill_length=plen,
+        cache_dtype=cache_dtype, eos_token_ids=(),
+    )  # fmt: skip
+    reqs = [
+        Request(
+            prompt=p.tolist(), max_tokens=new, sampling=SamplingParams(temperature=1.0, seed=i * samples + j)
+        )
+        for i, p in enumerate(prompts)
+        for j in range(samples)
+    ]
+    with Orchestrator(engine) as orch:
+        orch.generate(
+            [Request(prompt=[1] * plen, max_tokens=3, sampling=SamplingParams(temperature=1.0))] * 2
+        )
+        engine.prefill_counts.clear()
+        t0 = time.perf_counter()
+        outs = orch.generate(reqs)
+        wall = time.perf_counter() - t0
+    assert all(len(o.tokens) == new for o in outs)
+    out = dict(tok_s=len(reqs) * new / wall, prefill_rows=engine.prefill_counts["rows"],
+               prefill_calls=engine.prefill_counts["calls"], requests=len(reqs), hf_tok_s=float("nan"))  # fmt: skip
+    if hf is not None:
+        import torch
+
+        ids = torch.as_tensor(prompts, dtype=torch.long)
+        kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0,
+                  attention_mask=torch.ones_like(ids), num_return_sequences=samples)  # fmt: skip
+        with torch.no_grad():
+            hf.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)
+            t0 = time.perf_counter()
+            hf.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
+            out["hf_tok_s"] = len(reqs) * new / (time.perf_counter() - t0)
+    return out
 
 
 def main() -> None:
@@ -109,6 +165,8 @@ def main() -> None:
     )
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--skip-hf", action="store_true", help="engine only (large presets)")
+    ap.add_argument("--group-prompts", type=int, default=4, help="group case: prompts (0 = skip the case)")
+    ap.add_argument("--group-samples", type=int, default=32, help="group case: samples per prompt")
     args = ap.parse_args()
 
     import jax
@@ -135,16 +193,30 @@ def main() -> None:
           f"devices: {jax.devices()[0].platform} x{jax.device_count()}, prompt {args.prompt_len}, new {args.new}")  # fmt: skip
     rng = np.random.default_rng(0)
     print(f"{'conc':>5} {'engine tok/s':>13} {'decode tok/s':>13} {'step-only tok/s':>16} {'step ms':>8} "
-          f"{'TTFT ms':>8} {'HF tok/s':>9} {'HF TTFT ms':>11} {'speedup':>8} {'decode speedup':>15}")  # fmt: skip
+          f"{'1-step ms':>9} {'TTFT ms':>8} {'HF tok/s':>9} {'HF TTFT ms':>11} {'speedup':>8} {'decode speedup':>15}")  # fmt: skip
+    step_ms = {}
     for c in args.concurrency:
         prompts = rng.integers(0, vocab, size=(c, args.prompt_len)).astype(np.int32)
         e = bench_engine(model, prompts, args.new, dtype)
         h_tok, h_ttft = (
             bench_hf(hf, prompts, args.new) if hf is not None and not args.skip_hf else (float("nan"),) * 2
         )
+        step_ms[c] = e["step_ms"]
         print(f"{c:>5} {e['tok_s']:>13.0f} {e['decode_tok_s']:>13.0f} {e['step_tok_s']:>16.0f} {e['step_ms']:>8.2f} "
-              f"{e['ttft'] * 1e3:>8.1f} {h_tok:>9.0f} {h_ttft * 1e3:>11.1f} {e['tok_s'] / h_tok:>7.1f}x "
-              f"{e['decode_tok_s'] / h_tok:>14.1f}x")  # fmt: skip
+              f"{e['one_step_ms']:>9.2f} {e['ttft'] * 1e3:>8.1f} {h_tok:>9.0f} {h_ttft * 1e3:>11.1f} "
+              f"{e['tok_s'] / h_tok:>7.1f}x {e['decode_tok_s'] / h_tok:>14.1f}x")  # fmt: skip
+    top = max(step_ms)
+    if 8 in step_ms and top > 8:
+        print(f"decode step, {top} slots / 8 slots: {step_ms[top] / step_ms[8]:.2f}x")
+    if args.group_prompts > 0:
+        slots = max(args.concurrency)
+        prompts = rng.integers(0, vocab, size=(args.group_prompts, args.prompt_len)).astype(np.int32)
+        g = bench_group(
+            model, None if args.skip_hf else hf, prompts, args.group_samples, args.new, slots, dtype
+        )
+        print(f"group: {args.group_samples} samples x {args.group_prompts} prompts on {slots} slots: engine "
+              f"{g['tok_s']:.0f} tok/s, HF {g['hf_tok_s']:.0f} tok/s ({g['tok_s'] / g['hf_tok_s']:.1f}x); "
+              f"prefilled {g['prefill_rows']} prompt rows in {g['prefill_calls']} calls for {g['requests']} requests")  # fmt: skip
 
 
 if __name__ == "__main__":
