@@ -38,11 +38,17 @@ def test_harness_is_part_of_the_run_identity(tmp_path):
 
 
 def test_demonstrations_replay_solutions_under_the_configured_harness(tmp_path):
-    cfg = AgentConfig(harness="mini-swe", max_context_tokens=8192)
+    from tmax_jax.train.demo_tasks import write_largest_task
+
+    cfg = AgentConfig(harness="mini-swe", max_context_tokens=8192, max_turns=4)
     chat = make_chat(train_tiny_tokenizer(tmp_path / "tok"), cfg)
     task = load_task(TASKS / "harbor_csv_sum")
-    demos, rejected = demonstrations([task], chat, cfg, SandboxConfig(), workers=1)
-    assert not rejected and len(demos) == 1
+    # A one-turn-per-line solution (cd, then a command relying on it) stays correct under mini-swe,
+    # whose actions each run in a fresh shell: the steps become one script.
+    per_line = load_task(write_largest_task(tmp_path / "t", 3))
+    demos, rejected = demonstrations([task, per_line], chat, cfg, SandboxConfig(), workers=1)
+    assert not rejected and len(demos) == 2
+    assert "cd /app/data\nsort -n" in demos[1].messages[2]["content"] and demos[1].reward == 1.0
     d = demos[0]
     assert d.reward == 1.0 and d.finish_reason == "submitted"
     # The replies are mini-swe's fenced blocks and its observations user turns, in the tokens trained on.

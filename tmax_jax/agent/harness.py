@@ -77,6 +77,8 @@ class Harness(abc.ABC):
     name: str = ""
     observation_role: str = "tool"  # the chat role of observation messages
     system_prompt: str = ""
+    # Whether cd/export of one action carry over to the next (False: each action a fresh shell).
+    persistent_shell: bool = True
 
     @property
     def tools(self) -> list[dict] | None:

@@ -82,6 +82,7 @@ class MiniSweHarness(Harness):
     name = "mini-swe"
     observation_role = "user"
     system_prompt = SYSTEM_PROMPT
+    persistent_shell = False
 
     def start(self, shell: Any, cfg: Any) -> Session:
         return _MiniSweSession(self, shell, cfg)

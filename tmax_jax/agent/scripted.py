@@ -13,7 +13,8 @@ from tmax_jax.agent.harness import get_harness
 
 class ScriptedPolicy:
     """Replies with ``commands`` rendered for ``harness`` (then its submit replies), or with ``replies``
-    verbatim when given."""
+    verbatim when given. Under a harness without a persistent shell (mini-swe) the commands are one
+    script, so a ``cd`` in one still holds in the next."""
 
     def __init__(
         self,
@@ -29,6 +30,9 @@ class ScriptedPolicy:
         if replies is not None:
             self.replies = list(replies)
         else:
+            if not h.persistent_shell and len(commands) > 1:
+                # Steps that rely on an earlier step's cd/export become one script (one action).
+                commands = ["\n".join(commands)]
             self.replies = [preamble + h.render_command(c) for c in commands]
             if submit:
                 self.replies.extend(h.render_submit())
