@@ -214,17 +214,25 @@ def demonstrations(
     Returns the demonstrations and the reasons the others were rejected.
     """
     # A demonstration is never cut by the per-turn token limit meant for sampling.
-    demo_cfg = dataclasses.replace(agent_cfg, max_tokens_per_turn=max(agent_cfg.max_tokens_per_turn, 4096))
+    # It keeps the context reserve of sampling: a longer reply limit must not leave an observation no room.
+    demo_cfg = dataclasses.replace(
+        agent_cfg,
+        max_tokens_per_turn=max(agent_cfg.max_tokens_per_turn, 4096),
+        context_reserve_tokens=agent_cfg.reply_reserve,
+    )
     rejected: Counter = Counter()
 
     def one(task: Task) -> Trajectory | None:
         if task.solution is None or not task.solution.is_file():
             rejected["no solution script"] += 1
             return None
-        policy = ScriptedPolicy(solution_commands(task.solution.read_text()), chat, harness=agent_cfg.harness)
+        commands = solution_commands(task.solution.read_text())
+        policy = ScriptedPolicy(commands, chat, harness=agent_cfg.harness)
+        # Nor by the turn limit: a multi-turn solution gets its commands and the submit.
+        cfg = dataclasses.replace(demo_cfg, max_turns=max(demo_cfg.max_turns, len(commands) + 1))
         result = run_task(
             task,
-            lambda t, sh: run_episode(t.prompt, policy, sh, chat, demo_cfg, task_id=t.name),
+            lambda t, sh: run_episode(t.prompt, policy, sh, chat, cfg, task_id=t.name),
             sandbox_cfg,
             pool=pool,
         )
