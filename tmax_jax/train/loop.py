@@ -416,6 +416,8 @@ class Trainer:
                             pass_=f"{metrics['pass_rate']:.2f}",
                             masked=f"{metrics.get('masked_fraction', 0.0):.3f}",
                             gap=f"{metrics.get('max_abs_logprob_diff', 0.0):.2g}",
+                            mm=f"{metrics.get('mismatch/max_abs_logprob_diff', 0.0):.2g}",
+                            stale=f"{metrics.get('staleness/off_policy_fraction', 0.0):.2f}",
                         )
                     self._interrupts.step_boundary()
         except KeyboardInterrupt:
@@ -490,6 +492,7 @@ class Trainer:
     def _train_on(self, batch: RolloutBatch, step: int) -> dict:
         from tmax_jax.rl.advantages import group_advantages
         from tmax_jax.rl.packing import pack_trajectories
+        from tmax_jax.rl.train_step import LAG_FIELD, policy_lag
 
         cfg = self.cfg
         trajs = [t for g in batch.groups for t in g.trajectories]
@@ -543,9 +546,12 @@ class Trainer:
             return metrics
         mine = [i for i in kept if offset <= i < offset + len(trajs)]
         # A process whose groups were all flat still feeds rows (empty ones) to the global batch.
-        packed, _ = pack_trajectories(
-            [trajs[i - offset] for i in mine], [float(adv.advantages[i]) for i in mine], seq_len=cfg.seq_len
+        mine_trajs = [trajs[i - offset] for i in mine]
+        packed, placement = pack_trajectories(
+            mine_trajs, [float(adv.advantages[i]) for i in mine], seq_len=cfg.seq_len
         )
+        # Per target, how many versions behind the learner it was sampled (mismatch vs staleness metrics).
+        packed[LAG_FIELD] = policy_lag(mine_trajs, placement, packed["input_ids"].shape, step)
         packed = pad_rows_across_processes(packed, self.train_step.rows_multiple)
         t0 = time.monotonic()
         self.state, m = self.train_step(self.state, packed)
