@@ -99,6 +99,7 @@ def chunked_gated_delta_rule(
     chunk_size: int = 64,
     *,
     kernels: str = "auto",
+    out_dtype=None,
 ) -> tuple[jax.Array, jax.Array]:
     """The chunked gated delta rule by ``kernels`` choice; same contract as the pure-JAX function."""
     impl, backend, interpret = resolve_kernels(kernels)
@@ -107,5 +108,6 @@ def chunked_gated_delta_rule(
         # Imported here: the model package imports this module, and the reference lives in it.
         from tmax_jax.models.qwen35.delta_rule import chunked_gated_delta_rule as jax_delta_rule
 
-        return jax_delta_rule(*args, chunk_size=chunk_size)
-    return _sharded_pallas(args, chunk_size=chunk_size, backend=backend, interpret=interpret)
+        return jax_delta_rule(*args, chunk_size=chunk_size, out_dtype=out_dtype)
+    out, s_final = _sharded_pallas(args, chunk_size=chunk_size, backend=backend, interpret=interpret)
+    return (out if out_dtype is None else out.astype(out_dtype)), s_final

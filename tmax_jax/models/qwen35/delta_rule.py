@@ -333,7 +333,7 @@ def _slice_chunk(tree, i: int):
     return jax.tree.map(lambda x: x[:, :, i], tree)
 
 
-def _forward(q, k, v, g, beta, s0, groups, C: int, per_block: int, save_states: bool):
+def _forward(q, k, v, g, beta, s0, groups, C: int, per_block: int, save_states: bool, out_dtype=f32):
     B, T, H, _ = k.shape
     V = v.shape[-1]
     dtypes = tuple(x.dtype for x in (q, k, v, g, beta))
@@ -354,11 +354,12 @@ def _forward(q, k, v, g, beta, s0, groups, C: int, per_block: int, save_states: 
             q_s.append(q_s_i)
         states = jnp.stack(states, axis=2)  # [B, H, m, K, V]: each chunk's incoming state
         o = _chunk_outputs(prep, jnp.stack(q_s, axis=2), jnp.stack(v_new, axis=2))
-        out = _store(out, o, f32, n0, C)
+        out = _store(out, o, out_dtype, n0, C)
         return (s, out), (states if save_states else None)
 
-    out0 = jnp.zeros((B, N * C, H, V), f32)
+    out0 = _as_bits(jnp.zeros((B, N * C, H, V), out_dtype))
     (s_final, out), states = jax.lax.scan(block, (s0, out0), jnp.arange(0, N, m))
+    out = _from_bits(out, out_dtype)
     return (out[:, :T] if N * C != T else out), s_final, states
 
 
@@ -370,7 +371,8 @@ def _backward(res, cotangents, C: int, per_block: int):
     seqs = tuple(_as_bits(_pad_time(x, C)) for x in (q, k, v, g, beta))
     grp, prev_last = _groups(groups, C)
     N = grp.shape[1]
-    d_out = _pad_time(d_out, C)  # [B, N * C, H, V]
+    d_out_dtype = d_out.dtype
+    d_out = _as_bits(_pad_time(d_out, C))  # [B, N * C, H, V]
     m = _block_count(N, per_block)
 
     def block(carry, xs):
@@ -378,7 +380,7 @@ def _backward(res, cotangents, C: int, per_block: int):
         n0, s_in = xs  # s_in [B, H, m, K, V]
         x, masks = _block_inputs(seqs, dtypes, grp, prev_last, n0, m, C)
         prep = _chunk_prepare(*x, masks)
-        do = _load(d_out, f32, n0, m, C)
+        do = _load(d_out, d_out_dtype, n0, m, C)
         ds_next, dv_new, dr = [None] * m, [None] * m, [None] * m
         for i in reversed(range(m)):
             ds_next[i] = ds
@@ -398,18 +400,22 @@ def _backward(res, cotangents, C: int, per_block: int):
     return (*grads, ds0, None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _chunked(q, k, v, g, beta, s0, groups, C):
-    out, s_final, _ = _forward(q, k, v, g, beta, s0, groups, C, _chunks_per_block(), save_states=False)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _chunked(q, k, v, g, beta, s0, groups, C, out_dtype):
+    out, s_final, _ = _forward(
+        q, k, v, g, beta, s0, groups, C, _chunks_per_block(), save_states=False, out_dtype=out_dtype
+    )
     return out, s_final
 
 
-def _chunked_fwd(q, k, v, g, beta, s0, groups, C):
-    out, s_final, states = _forward(q, k, v, g, beta, s0, groups, C, _chunks_per_block(), save_states=True)
+def _chunked_fwd(q, k, v, g, beta, s0, groups, C, out_dtype):
+    out, s_final, states = _forward(
+        q, k, v, g, beta, s0, groups, C, _chunks_per_block(), save_states=True, out_dtype=out_dtype
+    )
     return (out, s_final), (q, k, v, g, beta, groups, states)
 
 
-def _chunked_bwd(C, res, cotangents):
+def _chunked_bwd(C, out_dtype, res, cotangents):
     return _backward(res, cotangents, C, _chunks_per_block())
 
 
@@ -445,8 +451,14 @@ def chunked_gated_delta_rule(
     initial_state_BxHxKxV: jax.Array | None = None,
     groups_BxT: jax.Array | None = None,
     chunk_size: int = 64,
+    *,
+    out_dtype=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Returns ``(out [B, T, H, dv] float32, final_state [B, H, dk, dv] float32)``.
+
+    ``out_dtype``: the output's dtype (default float32). Each chunk's output is computed in float32 and
+    stored as ``out_dtype``; a layer that casts the output to its compute dtype anyway passes that
+    dtype here, and no float32 ``[B, T, H, dv]`` buffer (nor its float32 cotangent) exists.
 
     The initial state belongs to group 0: tokens of group 0 read it, others start from zero. Inputs may
     be bfloat16 (each block is cast to float32 as it is used); gradients come back in the inputs' dtypes.
@@ -462,7 +474,10 @@ def chunked_gated_delta_rule(
         s0 = initial_state_BxHxKxV.astype(f32)
     if groups_BxT is None:
         groups_BxT = jnp.zeros((B, T), jnp.int32)
-    return _chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH, beta_BxTxH, s0, groups_BxT, chunk_size)
+    out_dtype = f32 if out_dtype is None else jnp.dtype(out_dtype)
+    return _chunked(
+        q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH, beta_BxTxH, s0, groups_BxT, chunk_size, out_dtype
+    )
 
 
 def recurrent_gated_delta_rule(

@@ -20,19 +20,75 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
+def _shift(x: jax.Array, lag: int, fill=0) -> jax.Array:
+    """``x[:, t - lag]`` along axis 1 (``lag < 0``: from the future), ``fill`` where that is outside."""
+    T = x.shape[1]
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (lag, 0) if lag >= 0 else (0, -lag)
+    padded = jnp.pad(x, pad, constant_values=fill)
+    return padded[:, :T] if lag >= 0 else padded[:, -lag:]
+
+
+def _same_group(groups_BxT: jax.Array, lag: int, dtype) -> jax.Array:
+    """``[B, T, 1]``: 1 where token ``t - lag`` exists and is in token t's packed group."""
+    return (_shift(groups_BxT, lag, -1) == groups_BxT)[..., None].astype(dtype)
+
+
+# The weight gradient is reduced over time in blocks of this many tokens.
+_CONV_GRAD_BLOCK = 512
+
+
+@jax.custom_vjp
 def causal_depthwise_conv(x_BxTxC: jax.Array, w_KxC: jax.Array, groups_BxT: jax.Array) -> jax.Array:
-    """``out[t] = sum_j w[j] * x[t - (K-1) + j]``, using only taps from the same packed group."""
-    K = w_KxC.shape[0]
-    T = x_BxTxC.shape[1]
+    """``out[t] = sum_j w[j] * x[t - (K-1) + j]``, using only taps from the same packed group.
+
+    Its own backward pass: autodiff of the taps keeps one ``[B, T, C]`` product per tap for the weight
+    gradient's reduction over time (in float32 on CPU), K of them at once; here that reduction runs
+    over blocks of time, and the input gradient is the transposed taps.
+    """
+    K, T = w_KxC.shape[0], x_BxTxC.shape[1]
     out = x_BxTxC * w_KxC[K - 1]
-    for lag in range(1, K):
-        if lag >= T:
-            break
-        x_lag = jnp.pad(x_BxTxC, ((0, 0), (lag, 0), (0, 0)))[:, :T]
-        g_lag = jnp.pad(groups_BxT, ((0, 0), (lag, 0)), constant_values=-1)[:, :T]
-        same = (g_lag == groups_BxT)[..., None].astype(x_BxTxC.dtype)
-        out = out + x_lag * same * w_KxC[K - 1 - lag]
+    for lag in range(1, min(K, T)):
+        out = out + _shift(x_BxTxC, lag) * _same_group(groups_BxT, lag, x_BxTxC.dtype) * w_KxC[K - 1 - lag]
     return out
+
+
+def _conv_fwd(x_BxTxC, w_KxC, groups_BxT):
+    return causal_depthwise_conv(x_BxTxC, w_KxC, groups_BxT), (x_BxTxC, w_KxC, groups_BxT)
+
+
+def _conv_bwd(res, d_BxTxC):
+    x, w, groups = res
+    K, T = w.shape[0], x.shape[1]
+    dx = d_BxTxC * w[K - 1]
+    for lag in range(1, min(K, T)):
+        dx = dx + _shift(d_BxTxC * _same_group(groups, lag, x.dtype), -lag) * w[K - 1 - lag]
+    # dw[j] = sum_t d[t] x[t - (K-1) + j] (same group), block by block over time.
+    Tb = min(_CONV_GRAD_BLOCK, T)
+    pad = (-T) % Tb
+    x_p = jnp.pad(x, ((0, 0), (K - 1, pad), (0, 0)))
+    g_p = jnp.pad(groups, ((0, 0), (K - 1, pad)), constant_values=-1)
+    d_p = jnp.pad(d_BxTxC, ((0, 0), (0, pad), (0, 0)))
+    gd_p = jnp.pad(groups, ((0, 0), (0, pad)), constant_values=-2)
+
+    def block(acc_KxC, t0):
+        d_b = jax.lax.dynamic_slice_in_dim(d_p, t0, Tb, axis=1)
+        g_b = jax.lax.dynamic_slice_in_dim(gd_p, t0, Tb, axis=1)
+        x_w = jax.lax.dynamic_slice_in_dim(x_p, t0, Tb + K - 1, axis=1)
+        g_w = jax.lax.dynamic_slice_in_dim(g_p, t0, Tb + K - 1, axis=1)
+        taps = []
+        for j in range(K):
+            prod = x_w[:, j : j + Tb] * d_b
+            if j < K - 1:
+                prod = jnp.where((g_w[:, j : j + Tb] == g_b)[..., None], prod, jnp.zeros((), prod.dtype))
+            taps.append(jnp.sum(prod.astype(f32), axis=(0, 1)))
+        return acc_KxC + jnp.stack(taps), None
+
+    dw, _ = jax.lax.scan(block, jnp.zeros(w.shape, f32), jnp.arange(0, T + pad, Tb))
+    return dx, dw.astype(w.dtype), None
+
+
+causal_depthwise_conv.defvjp(_conv_fwd, _conv_bwd)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -109,15 +165,18 @@ class GatedDeltaNet(nnx.Module):
         g_BxTxH = -jnp.exp(self.A_log[...].astype(f32)) * jax.nn.softplus(
             a_BxTxH.astype(f32) + self.dt_bias[...].astype(f32)
         )
-        q_BxTxHkxK = l2_normalize(q_BxTxHkxK.astype(f32)) * (dk**-0.5)
-        k_BxTxHkxK = l2_normalize(k_BxTxHkxK.astype(f32))
+        # The norm's statistics in float32, the result back in the compute dtype: the delta rule
+        # casts each chunk to float32 as it loads it, so float32 copies of q and k (repeated to the
+        # value heads) would only be extra activations.
+        q_BxTxHkxK = (l2_normalize(q_BxTxHkxK.astype(f32)) * (dk**-0.5)).astype(dt)
+        k_BxTxHkxK = l2_normalize(k_BxTxHkxK.astype(f32)).astype(dt)
         # Each key head serves Hv // Hk consecutive value heads.
         q_BxTxHxK = jnp.repeat(q_BxTxHkxK, Hv // Hk, axis=2)
         k_BxTxHxK = jnp.repeat(k_BxTxHkxK, Hv // Hk, axis=2)
         # Pads: no decay, no write, so the state passes through them unchanged.
         g_BxTxH = jnp.where(valid_BxT[..., None], g_BxTxH, 0.0)
         beta_BxTxH = jnp.where(valid_BxT[..., None], beta_BxTxH, 0.0)
-        k_BxTxHxK = jnp.where(valid_BxT[..., None, None], k_BxTxHxK, 0.0)
+        k_BxTxHxK = jnp.where(valid_BxT[..., None, None], k_BxTxHxK, jnp.zeros((), dt))
 
         if state is not None and T == 1:
             o_BxTxHxV, s_final = recurrent_gated_delta_rule(
@@ -134,6 +193,7 @@ class GatedDeltaNet(nnx.Module):
                 groups_BxT if state is None else None,
                 chunk_size=self.chunk_size,
                 kernels=self.kernels,
+                out_dtype=dt,
             )
         if state is not None:
             new_state = (new_conv, s_final.astype(f32))
