@@ -122,7 +122,8 @@ class Engine(EngineAPI):
         at least this; fewer buckets, fewer compiles).
       max_prefill_batch: most prompts prefilled in one call by ``prefill_many``.
       prompt_cache_entries: prefilled prompts kept (cache + last logits) so that later requests with
-        the same prompt and weights fork them instead of prefilling again; 0 = off.
+        the same prompt and weights fork them instead of prefilling again; each costs one slot's cache
+        memory; 0 = off. A weight update empties it.
     """
 
     def __init__(
@@ -142,7 +143,7 @@ class Engine(EngineAPI):
         decode_steps: int = 8,
         min_attend_bucket: int = 128,
         max_prefill_batch: int = 8,
-        prompt_cache_entries: int = 8,
+        prompt_cache_entries: int = 4,
     ):
         for name, v in [
             ("decode_steps", decode_steps),
