@@ -17,7 +17,7 @@ SCALE_OUT = [p for p in CONFIGS if p.name.startswith("qwen35-")]
 
 def test_the_configs_are_there():
     assert {"tiny-cpu.yaml", "qwen35-9b-v5p-64.yaml", "qwen35-9b-8xh200.yaml"} <= {p.name for p in CONFIGS}
-    assert len(SCALE_OUT) == 6
+    assert len(SCALE_OUT) == 7
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -34,7 +34,7 @@ def test_scale_out_configs_carry_the_tmax_recipe(path):
     assert (cfg.rl.loss.name, cfg.rl.loss.divergence, cfg.rl.loss.delta) == ("dppo", "tv", 0.1)
     assert cfg.rl.optimizer.learning_rate == 1e-6 and cfg.rl.optimizer.schedule == "constant"
     assert cfg.agent.max_turns == 64 and cfg.engine.max_cache_length >= cfg.seq_len
-    assert cfg.model.preset in ("9b", "27b") and cfg.model.checkpoint.startswith("/path/to/")
+    assert cfg.model.preset in ("9b", "27b", "35b-a3b") and cfg.model.checkpoint.startswith("/path/to/")
     sizes = cfg.mesh.resolve(cfg.plan.num_devices)
     # The trainer pads rows to a multiple of data * fsdp * micro_batches: the recipe's 256 is one.
     assert cfg.rows_per_step % (sizes[0] * sizes[1] * cfg.rl.train_step.micro_batches) == 0

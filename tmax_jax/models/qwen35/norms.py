@@ -33,7 +33,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, zero_centred: bool)
     around 1; the normalised value rounded to x's dtype before the weight, as transformers does)."""
     if zero_centred:
         return zero_centred_rms_norm(x, weight, eps)
-    return weight.astype(x.dtype) * rms_normalize_f32(x, eps).astype(x.dtype)
+    w = weight.astype(x.dtype).reshape((1,) * (x.ndim - 1) + (-1,))
+    return w * rms_normalize_f32(x, eps).astype(x.dtype)
 
 
 def norm_init_value(zero_centred: bool) -> float:
