@@ -285,9 +285,16 @@ def test_tiny_model_with_pallas_kernels_matches_jax_path():
         # Absolute, against the leaf's scale floored at 1: the gate parameters' gradients (A_log,
         # dt_bias) are sums with heavy cancellation, and the JAX path itself moves them by up to 5e-5
         # between chunk sizes 16 and 64 (pure float32 rounding); every other leaf agrees far closer.
+        # The conv's own backward (a different float32 summation order upstream) moved one A_log
+        # gradient's jax/pallas gap from under 1.4e-4 to 1.6e-4: the gate leaves get 2.5e-4.
         scale = max(1.0, float(jnp.abs(ref).max()))
+        gate = jax.tree_util.keystr(path).split("'")[-2] in ("A_log", "dt_bias")
         np.testing.assert_allclose(
-            flat_pallas[path], ref, atol=1e-4 * scale, rtol=0, err_msg=jax.tree_util.keystr(path)
+            flat_pallas[path],
+            ref,
+            atol=(2.5e-4 if gate else 1e-4) * scale,
+            rtol=0,
+            err_msg=jax.tree_util.keystr(path),
         )
     # Prefill into a cache: the chunked rule with an initial state and no groups.
     prefill = nnx.jit(lambda m, ids, cache: m(ids, cache=cache))
