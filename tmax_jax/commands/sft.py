@@ -98,9 +98,8 @@ def _demonstrations(args, cfg, tokenizer) -> list:
 
 
 def run(args: argparse.Namespace) -> int:
-    import jax
-
     from tmax_jax.checkpoints import read_hf_config
+    from tmax_jax.distributed import synchronous_cpu_dispatch
     from tmax_jax.tokenizer import load_tokenizer
     from tmax_jax.train.setup import enable_compilation_cache
     from tmax_jax.train.sft import run_sft, successful_trajectories
@@ -116,9 +115,9 @@ def run(args: argparse.Namespace) -> int:
             _log(f"{path}: {kept} of {read} trajectories with reward >= {args.min_reward}")
     else:
         data = _demonstrations(args, cfg, tokenizer)
-    # As in `tmax-jax train`: donated train states under CPU async dispatch can stall (see Trainer),
-    # and a repeated run reuses the compiled step.
-    jax.config.update("jax_cpu_enable_async_dispatch", False)
+    # As in `tmax-jax train`: donated train states under CPU async dispatch can stall, and a
+    # repeated run reuses the compiled step.
+    synchronous_cpu_dispatch()
     enable_compilation_cache()
     summary = run_sft(args.checkpoint, data, args.out, cfg, progress=not args.no_progress, log=_log)
     print(json.dumps(summary))

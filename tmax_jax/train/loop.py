@@ -35,7 +35,14 @@ from flax import nnx
 from tmax_jax.agent.episode import make_chat
 from tmax_jax.agent.trajectory import write_jsonl
 from tmax_jax.data import DataConfig, PromptLoader
-from tmax_jax.distributed import allgather_json, any_process, barrier, is_primary, primary_first
+from tmax_jax.distributed import (
+    allgather_json,
+    any_process,
+    barrier,
+    is_primary,
+    primary_first,
+    synchronous_cpu_dispatch,
+)
 from tmax_jax.errors import ConfigError, TmaxError
 from tmax_jax.launch import serial_launch
 from tmax_jax.launch import stats as launch_stats
@@ -60,11 +67,7 @@ def _log(msg: str) -> None:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, *, progress: bool = True):
-        # Seen here (jax 0.10.2, 2 cores): train steps queued by CPU async dispatch, with donated
-        # state, never complete (every XLA thread idles, the host waits forever). Synchronous CPU
-        # dispatch avoids it and costs nothing measurable at CPU scale; it only affects the CPU
-        # backend, and must be set before the backend starts (so not behind jax.default_backend()).
-        jax.config.update("jax_cpu_enable_async_dispatch", False)
+        synchronous_cpu_dispatch()
         enable_compilation_cache()
         self.cfg = cfg
         self.pid, self.nproc = jax.process_index(), jax.process_count()
