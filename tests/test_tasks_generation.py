@@ -173,8 +173,9 @@ def test_every_verifier_kind_gives_partial_credit_in_a_sandbox(tmp_path, cfg, ki
     assert 0.0 < res.reward < 1.0 and not res.passed, f"{res.reward} {res.reason} {res.verifier_log[-500:]}"
 
 
-def test_hundred_generated_tasks_pass_the_executability_filter(tmp_path, cfg):
+def test_generated_tasks_of_every_family_pass_the_executability_filter(tmp_path, cfg):
     gen = ProceduralGenerator()
+    # A hundred sampled draws are distinct and spread over the families (no sandbox needed for that).
     made = [gen.generate_one(tmp_path / "corpus", seed=11, index=i) for i in range(100)]
     prompts = [load_task(m.path).instruction for m in made]
     assert len(set(prompts)) == 100, "two draws produced the same task"
@@ -182,9 +183,15 @@ def test_hundred_generated_tasks_pass_the_executability_filter(tmp_path, cfg):
         meta = json.loads((m.path / "task.json").read_text())
         assert meta["axes"] == m.signature and meta["family"] == m.family
     assert len({m.family for m in made}) >= 20
-    results = filter_tasks([m.path for m in made], cfg, concurrency=2)
+    # The filter runs one task of every family plus ten of the sampled draws (other parameters, the
+    # tmax layout) through real sandboxes: each reference solution scores 1, each no-op 0.
+    per_family = [gen.generate_family(tmp_path / "families", f, seed=5) for f in sorted(all_families())]
+    assert len(per_family) == len(all_families()) >= 30
+    checked = [m.path for m in per_family] + [m.path for m in made[:10]]
+    results = filter_tasks(checked, cfg, concurrency=2)
     bad = [(Path(r.path).name, r.reason) for r in results if not r.kept]
     assert not bad, bad
+    assert len(results) == len(checked)
     assert all(r.noop_reward == 0.0 and r.oracle_reward == 1.0 for r in results)
 
 
