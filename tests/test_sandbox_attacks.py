@@ -58,10 +58,24 @@ ATTACKS = {
         mount -o remount,bind,rw /usr; mount -o remount,bind,rw /etc; mount -o remount,rw /
         # Only the canaries are written: if a promise broke, nothing else of the host gets damaged.
         for f in /etc/tmax-canary-* /usr/lib/tmax-canary-*; do echo pwned > "$f"; done
-        cat /etc/shadow >> /app/leak.txt
         # A global sysctl written with its own value: harmless, and a success is a leak.
         if echo "$(cat /proc/sys/vm/swappiness)" > /proc/sys/vm/swappiness; then echo sysctl >> /app/leak.txt; fi
         mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt
+    """,
+    # Host files only host root may read: the id-mapped copy-on-write base must not open them to
+    # the sandbox's root (its /etc/shadow is the image's own, every account locked).
+    "read_host_secrets": """
+        cat /etc/tmax-canary-*.secret /etc/ssl/private/* /etc/gshadow- >> /app/leak.txt 2>/dev/null
+        grep -v '^[^:]*:[*!]*:' /etc/shadow /etc/shadow- >> /app/leak.txt 2>/dev/null
+        mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt
+    """,
+    # Writes to the copy-on-write base that would swap what the verifier runs.
+    "overwrite_base_toolchain": f"""
+        for p in /usr/bin/bash /usr/bin/python3 /usr/local/bin/python3 /usr/local/bin/pytest; do
+          # (renamed into place: a running bash cannot be overwritten)
+          {FAKE_OK} > "$p.new"; chmod 0755 "$p.new"; mv -f "$p.new" "$p"
+        done
+        echo /tmp/evil.so > /etc/ld.so.preload
     """,
     "bind_fake_interpreter": f"""
         {FAKE_OK} > /tmp/fake; chmod +x /tmp/fake
@@ -148,7 +162,7 @@ EOF
     """,
 }
 # Tasks whose verifier also fails when the attack leaves a trace of success behind.
-LEAK_MARK = {"leak_env_keyring_ptrace", "fill_shm_and_run", "remount_and_write_host"}
+LEAK_MARK = {"leak_env_keyring_ptrace", "fill_shm_and_run", "remount_and_write_host", "read_host_secrets"}
 
 
 def _write_task(root: Path, name: str, solve: str, expected: str, *, leak_check: bool = False) -> Path:
@@ -202,8 +216,10 @@ def canaries():
         return
     tag = uuid.uuid4().hex[:12]
     paths = [Path(f"/etc/tmax-canary-{tag}"), Path(f"/usr/lib/tmax-canary-{tag}")]
+    paths.append(Path(f"/etc/tmax-canary-{tag}.secret"))
     for p in paths:
         p.write_text(f"canary {tag}\n")
+    paths[-1].chmod(0o600)
     yield paths
     for p in paths:
         p.unlink(missing_ok=True)

@@ -129,10 +129,11 @@ def test_exec_and_shell_share_processes_and_loopback(sb):
     assert r.stdout.strip() == "200", r.output
 
 
-def test_isolation_readonly_rootfs_no_host_writes(sb):
+def test_isolation_no_host_writes(sb):
     marker = f"tmax-test-{uuid.uuid4().hex}"
     r = sb.exec(f"touch /usr/{marker}; echo x > /etc/{marker}; touch /{marker}; echo ok > /tmp/{marker}")
-    assert r.stderr.count("Read-only file system") >= 2, r.stderr
+    # Copy-on-write over the base as host root (a writable root, as in a container); read-only else.
+    assert r.stderr.count("Read-only file system") == (0 if os.geteuid() == 0 else 2), r.stderr
     for host in (f"/usr/{marker}", f"/etc/{marker}", f"/{marker}", f"/tmp/{marker}"):
         assert not os.path.exists(host)
     # host-only places are not there at all
@@ -182,22 +183,29 @@ def test_rm_rf_root_leaves_host_unchanged(cfg, tmp_path):
         # (the agent's own /lib64 link is gone with the rest: its commands no longer start, as in a
         # container whose root was wiped)
         assert not s.exec(["/usr/bin/test", "-e", "/app/answer.txt"], cwd="/").ok
-        # A verifier runs the base's own shell and tools whatever the agent removed from its root.
         tests = tmp_path / "tests"
         tests.mkdir()
         (tests / "test.sh").write_text(
             "ls /usr/bin | head -1 > /logs/verifier/out; echo 0 > /logs/verifier/reward.txt\n"
         )
         run = s.run_verifier(tests, ["/bin/bash", "/tests/test.sh"], timeout=30)
-        assert run.result.ok and run.logs["reward.txt"] == b"0\n" and run.logs["out"].strip(), (
-            run.result.output
-        )
+        if os.geteuid() == 0:
+            # The verifier sees the agent's copy-on-write /usr, as under Docker: a removed toolchain
+            # is tampering, never run.
+            assert run.tampered and "/usr" in run.tampered and not run.logs, run
+        else:
+            # A verifier runs the base's own shell and tools whatever the agent removed from its root.
+            assert run.result.ok and run.logs["reward.txt"] == b"0\n" and run.logs["out"].strip(), (
+                run.result.output
+            )
     assert sentinel.read_text() == "keep"
     assert sorted(os.listdir("/usr/bin"))[:50] == before
 
 
-def test_root_is_writable_like_a_container(cfg):
-    """Dockerfile-style writes outside the base: new top-level dirs, /var/log, /root/.ssh, /etc stays the host's."""
+def test_root_is_writable_like_a_container(cfg, tmp_path):
+    """Dockerfile-style writes anywhere: new top-level dirs, /var/log, /root/.ssh, and (as host root,
+    copy-on-write) /usr and /etc; the host's files stay as they are, and those others may not read
+    are not there."""
     with make_sandbox(cfg) as s:
         r = s.exec(
             "mkdir -p /config /var/log/app /root/.ssh /evidence && echo hi > /config/x && chmod 444 /config/x"
@@ -206,7 +214,33 @@ def test_root_is_writable_like_a_container(cfg):
         assert s.exec("echo again > /config/x && cat /config/x").stdout == "again\n"  # root over a 0444 file
         assert s.exec("cat /config/x; ls -d /var/log/app /root/.ssh /evidence").ok
         r = s.exec("touch /etc/tmax-x /usr/tmax-x")
-        assert r.stderr.count("Read-only file system") == 2, r.stderr
+        if os.geteuid() != 0:
+            assert r.stderr.count("Read-only file system") == 2, r.stderr
+            return
+        assert r.ok, r.output
+        hosts, deb_ver = Path("/etc/hosts").read_bytes(), Path("/etc/debian_version").read_bytes()
+        deb_mode = os.stat("/etc/debian_version").st_mode
+        r = s.exec(
+            "echo 10.9.9.9 tmax-x >> /etc/hosts && printf '#!/bin/sh\\necho tool\\n' > /usr/local/bin/tmax-tool"
+            " && chmod 0755 /usr/local/bin/tmax-tool && chmod 0444 /etc/debian_version && echo y >> /etc/debian_version"
+            " && useradd -m tmaxuser && tmax-tool && stat -c '%U %a' /usr/bin /etc/hosts"
+        )
+        assert r.ok and r.stdout.split("\n")[:2] == ["tool", "root 755"], r.output
+        # Host files others may not read are hidden (shadow files are the image's own, all locked).
+        r = s.exec("cat /etc/shadow; ls /etc/ssl/private 2>&1")
+        assert "No such file" in r.stdout and "\ntmaxuser:!:" in r.stdout, r.output
+        assert all(line.split(":")[1] in "*!" for line in r.stdout.splitlines() if line.count(":") > 4)
+        assert Path("/etc/hosts").read_bytes() == hosts and not os.path.exists("/usr/local/bin/tmax-tool")
+        assert not os.path.exists("/etc/tmax-x") and Path("/etc/debian_version").read_bytes() == deb_ver
+        assert os.stat("/etc/debian_version").st_mode == deb_mode
+        # The verifier sees these changes, as under Docker.
+        tests = tmp_path / "tests"
+        tests.mkdir()
+        (tests / "test.sh").write_text(
+            "tmax-tool > /logs/verifier/out; grep -c tmax-x /etc/hosts >> /logs/verifier/out\n"
+        )
+        run = s.run_verifier(tests, ["/bin/bash", "/tests/test.sh"], timeout=30)
+        assert run.tampered is None and run.logs["out"] == b"tool\n1\n", run
 
 
 @pytest.mark.skipif(not cgroup_mod.available(), reason="no writable cgroup hierarchy (pids/memory/cpu) here")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import os
 import textwrap
 from pathlib import Path
 
@@ -118,14 +119,15 @@ def test_layer_is_built_once_and_rebuilt_on_change(tmp_path):
 
 def test_layer_errors_name_the_problem(tmp_path):
     cfg = SandboxConfig(cache_dir=str(tmp_path / "cache"))
-    bad_run = _df(tmp_path, "FROM ubuntu:24.04\nRUN touch /usr/bin/x\n")
-    with pytest.raises(SandboxError, match="RUN touch /usr/bin/x.*read-only"):
-        build_layer(cfg, parse_dockerfile(bad_run))
-    outside = _df(tmp_path, "FROM ubuntu:24.04\nWORKDIR /usr/src/app\n")
-    with pytest.raises(
-        TaskFormatError, match="WORKDIR /usr/src/app is inside the bwrap backend's read-only base"
-    ):
-        build_layer(cfg, parse_dockerfile(outside))
+    if os.geteuid() != 0:  # an ordinary user's sandboxes have a read-only base
+        bad_run = _df(tmp_path, "FROM ubuntu:24.04\nRUN touch /usr/bin/x\n")
+        with pytest.raises(SandboxError, match="RUN touch /usr/bin/x.*read-only"):
+            build_layer(cfg, parse_dockerfile(bad_run))
+        outside = _df(tmp_path, "FROM ubuntu:24.04\nWORKDIR /usr/src/app\n")
+        with pytest.raises(
+            TaskFormatError, match="WORKDIR /usr/src/app is inside the bwrap backend's read-only base"
+        ):
+            build_layer(cfg, parse_dockerfile(outside))
     missing = _df(tmp_path, "FROM ubuntu:24.04\nCOPY nothere.txt /app/\n")
     with pytest.raises(TaskFormatError, match="nothere.txt"):
         build_layer(cfg, parse_dockerfile(missing))
@@ -177,3 +179,32 @@ def test_unclosed_heredoc_names_the_line(tmp_path):
     p = _df(tmp_path, "FROM ubuntu:24.04\nRUN <<EOF\necho never closed\n")
     with pytest.raises(TaskFormatError, match=r":2: heredoc <<EOF of RUN has no closing EOF"):
         parse_dockerfile(p)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the copy-on-write base needs host root (id-mapped mounts)")
+def test_layer_writes_into_the_base_like_docker(tmp_path):
+    """RUN/COPY/WORKDIR into /usr and /etc (and a removal) are the image's, in every sandbox started
+    from it, not the agent's changes (no tampering verdict), and never the host's."""
+    cfg = SandboxConfig(cache_dir=str(tmp_path / "cache"))
+    p = _df(
+        tmp_path,
+        """\
+        FROM ubuntu:24.04
+        WORKDIR /usr/src/app
+        COPY tool.sh /usr/local/bin/tmax-layer-tool
+        RUN chmod 0755 /usr/local/bin/tmax-layer-tool && rm /etc/debian_version && echo built > /usr/src/app/x
+        """,
+        {"tool.sh": "#!/bin/sh\necho from-layer\n"},
+    )
+    img = build_layer(cfg, parse_dockerfile(p))
+    for _ in range(2):
+        with make_sandbox(cfg, image=img) as sb:
+            r = sb.exec("pwd; cat x; tmax-layer-tool; test -e /etc/debian_version || echo gone")
+            assert r.stdout == "/usr/src/app\nbuilt\nfrom-layer\ngone\n", r.output
+            sb.exec("echo agent > /usr/src/app/x")
+            tests = tmp_path / "tests"
+            tests.mkdir(exist_ok=True)
+            (tests / "t.sh").write_text("tmax-layer-tool > /logs/verifier/out\n")
+            run = sb.run_verifier(tests, ["/bin/bash", "/tests/t.sh"], timeout=30)
+            assert run.tampered is None and run.logs["out"] == b"from-layer\n", run
+    assert os.path.exists("/etc/debian_version") and not os.path.exists("/usr/local/bin/tmax-layer-tool")

@@ -9,13 +9,18 @@ Layout of one sandbox (the threat model is in sandboxes/README.md):
   namespaces, all owned by ``U``; it runs ``sleep`` and reaps orphans. It keeps the namespaces alive.
 - Every command (``exec``, each shell) is its own ``bwrap`` that joins ``U``, the network, IPC, UTS
   and cgroup namespaces (``nsenter``) and the holder's pid namespace (``--pidns``), builds a fresh
-  mount namespace (the read-only base, then the sandbox's writable state bound in), keeps Docker's
+  mount namespace (the sandbox's writable state as its root, the base over it), keeps Docker's
   default capabilities (within ``U`` only) and runs under the seccomp filter of ``seccomp.py``.
   All writable paths, ``/tmp``, ``/run`` and ``/dev/shm`` included, are directories of one
   size-limited state tmpfs, so every command sees the same files, as in a container.
+- As host root, the base's top-level dirs (``/usr``, ``/etc``, ...) are copy-on-write overlays
+  (``overlay.py``): id-mapped so that the sandbox's root owns them there, changes in the state's
+  disk, mounted once and bound into every command. Otherwise (an ordinary user) they are read-only.
 - The verifier (``run_verifier``) is a ``bwrap`` that joins only ``U`` and the network namespace:
   its pid namespace is a sibling of the agent's (agent processes cannot see or signal it) and its
-  mount namespace has the base freshly bound, the agent's writable paths, and ``/tests`` and
+  mount namespace has the base (the agent's copy-on-write view of it, as under Docker, its
+  toolchain checked by ``podman_toolchain`` before, during and after; else freshly bound), the
+  agent's other top-level dirs, and ``/tests`` and
   ``/logs`` from host directories that no agent mount namespace contains. The reward is read from
   that host directory.
 """
@@ -32,8 +37,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tmax_jax.errors import SandboxError
-from tmax_jax.sandbox import cgroup, rootfs, seccomp
-from tmax_jax.sandbox.base import BASE_PATH, Sandbox, VerifierRun, exec_result, read_verifier_logs
+from tmax_jax.sandbox import cgroup, overlay, podman_toolchain, rootfs, seccomp
+from tmax_jax.sandbox.base import (
+    BASE_PATH,
+    ExecResult,
+    Sandbox,
+    VerifierRun,
+    exec_result,
+    read_verifier_logs,
+)
 from tmax_jax.sandbox.config import SandboxConfig
 from tmax_jax.sandbox.procs import kill_tree, pid_alive, run_capped
 
@@ -104,6 +116,12 @@ class BwrapSandbox(Sandbox):
         self.child_pid: int | None = None
         self._bpf = self.run_dir / "seccomp.bpf"
         self._verifications = 0
+        # Copy-on-write base dirs (host root only): destination -> (base dir, merged mount point).
+        self.overlays: dict[str, tuple[str, Path]] = {}
+        self._upper = self.disk / "upper"
+        self._work = self.disk / "work"
+        self._mask = self.disk / "mask"
+        self._ovl = self.stage / "ovl"
 
     def _owner_extra(self) -> dict:
         return {
@@ -157,16 +175,29 @@ class BwrapSandbox(Sandbox):
         for d in [*(self.state / p.lstrip("/") for p in SCRATCH), self._shm]:
             d.mkdir(parents=True, exist_ok=True)
             d.chmod(0o1777)
+        if self.is_root:
+            self._plan_overlays()
         if self.image.layer is not None:
             src = Path(self.image.layer) / "fs"
-            if src.is_dir():
+            # The layer's copy of a base dir is an overlay's lower layer, not copied.
+            names = sorted(n for n in os.listdir(src) if "/" + n not in self.overlays) if src.is_dir() else []
+            if names:
                 r = subprocess.run(
-                    ["cp", "-a", "--reflink=auto", f"{src}/.", f"{self.state}/"],
+                    ["cp", "-a", "--reflink=auto", *(f"{src}/{n}" for n in names), f"{self.state}/"],
                     capture_output=True,
                     text=True,
                 )
                 if r.returncode != 0:
                     raise SandboxError(f"copying layer {self.image.layer} failed: {r.stderr.strip()[-500:]}")
+        for dest, (src, _) in self.overlays.items():
+            name = dest.lstrip("/")
+            st = os.stat(src)
+            for d in (self._upper / name, self._mask / name):
+                d.mkdir(parents=True)
+                os.chown(d, st.st_uid, st.st_gid)
+                d.chmod(st.st_mode & 0o7777)
+            (self._work / name).mkdir(parents=True)
+            overlay.prepare_mask(self._mask / name, src, dest, self._layer_dir(dest))
         self._base_args = self._reachable(self.rootfs.args)
         self._late_args = self._reachable(self.rootfs.late_args)
         # The state is the agent's root directory: the base's top-level symlinks (/bin -> usr/bin)
@@ -178,6 +209,72 @@ class BwrapSandbox(Sandbox):
         self._give_to_sandbox(self.disk)
         seccomp.write_program(self._bpf)
         self._start_holder()
+        self._mount_overlays()
+
+    # ---- copy-on-write base ----------------------------------------------------------------------
+    def _plan_overlays(self) -> None:
+        """Each top-level dir the base binds read-only becomes an overlay (see ``overlay.py``)."""
+        args = self.rootfs.args
+        for i in range(len(args) - 2):
+            if args[i] == "--ro-bind" and args[i + 2].count("/") == 1 and os.path.isdir(args[i + 1]):
+                self.overlays[args[i + 2]] = (args[i + 1], self._ovl / "merged" / args[i + 2].lstrip("/"))
+
+    def _layer_dir(self, dest: str) -> Path | None:
+        if self.image.layer is None:
+            return None
+        d = Path(self.image.layer) / "fs" / dest.lstrip("/")
+        return d if d.is_dir() and not d.is_symlink() else None
+
+    def _mount_overlays(self) -> None:
+        if not self.overlays:
+            return
+        userns = f"/proc/{self.child_pid}/ns/user"
+        for dest, (src, merged) in self.overlays.items():
+            name = dest.lstrip("/")
+            lower = self._ovl / "lower" / name
+            lower.mkdir(parents=True)
+            merged.mkdir(parents=True)
+            try:
+                overlay.idmapped_bind(src, str(lower), userns)
+                layer = self._layer_dir(dest)
+                lowers = [*([str(layer)] if layer is not None else []), str(self._mask / name), str(lower)]
+                overlay.mount_overlay(lowers, self._upper / name, self._work / name, merged)
+            except OSError as e:
+                raise SandboxError(f"sandbox {self.id}: cannot make {dest} copy-on-write: {e}") from e
+
+    def _lowers(self) -> list[str]:
+        """The image under the agent's changes, as root-relative trees: the layer, then the base."""
+        out = [str(Path(self.image.layer) / "fs")] if self.image.layer is not None else []
+        return out + [self._base_root()]
+
+    def _base_root(self) -> str:
+        srcs = {src for src, _ in self.overlays.values()}
+        roots = {str(Path(s).parent) for s in srcs}
+        return roots.pop() if len(roots) == 1 else "/"
+
+    def writable(self, path: str) -> bool:
+        """Whether the agent can write ``path`` (absolute): anywhere but the kernel's dirs and the
+        base dirs that are not copy-on-write (all of them when not running as host root)."""
+        if any(path == d or path.startswith(d + "/") for d in ("/proc", "/dev", "/sys")):
+            return False
+        ro = [d for d in self.rootfs.read_only if d not in self.overlays]
+        return not any(path == d or path.startswith(d.rstrip("/") + "/") for d in ro)
+
+    def overlay_uppers(self) -> dict[str, Path]:
+        """Destination -> the agent's copy-on-write dir of that base dir (what it changed there)."""
+        return {dest: self._upper / dest.lstrip("/") for dest in self.overlays}
+
+    def _with_overlays(self, args: tuple[str, ...] | list[str]) -> list[str]:
+        """``args`` with the read-only binds of copy-on-write dirs replaced by their merged view."""
+        out, i = [], 0
+        while i < len(args):
+            if args[i] == "--ro-bind" and i + 2 < len(args) and args[i + 2] in self.overlays:
+                out += ["--bind", str(self.overlays[args[i + 2]][1]), args[i + 2]]
+                i += 3
+                continue
+            out.append(args[i])
+            i += 1
+        return out
 
     def _reachable(self, args: tuple[str, ...]) -> tuple[str, ...]:
         """``args`` with each bind source that root of the user namespace cannot reach (a path
@@ -325,7 +422,7 @@ class BwrapSandbox(Sandbox):
         """An agent command's mounts: the state as a writable root (any path outside the base can be
         created, as under Docker, within the disk limit), the base read-only over it, /proc with a
         read-only /proc/sys, a fresh /dev with /dev/shm from the state."""
-        base = _without_symlinks(self._base_args)
+        base = self._with_overlays(_without_symlinks(self._base_args))
         return ["--bind", str(self.state), "/", *base, *self._kernel_mounts(), *self._late_args]
 
     def _kernel_mounts(self) -> list[str]:
@@ -343,11 +440,12 @@ class BwrapSandbox(Sandbox):
         ]
 
     def _verifier_tree(self, tests: Path, logs: Path) -> list[str]:
-        """A verifier's mounts: a read-only root of bwrap's own, the base bound afresh (whatever the
-        agent did to the base's names in its root, the verifier runs the real ones), each other
-        top-level entry of the agent's state as it is now, and ``/tests``, ``/logs`` of its own."""
+        """A verifier's mounts: a read-only root of bwrap's own, the base's dirs (the agent's
+        copy-on-write views of them, as under Docker, whose toolchain ``run_verifier`` checks; the
+        rest bound afresh), each other top-level entry of the agent's state as it is now, and
+        ``/tests``, ``/logs`` of its own."""
         base_names = {d.lstrip("/").split("/")[0] for _, d in _dests(self._base_args)}
-        args = list(self._base_args)
+        args = self._with_overlays(self._base_args)
         try:
             entries = sorted(os.listdir(self.state))
         except OSError as e:
@@ -429,13 +527,32 @@ class BwrapSandbox(Sandbox):
                 + self._verifier_tree(tests, logs)
                 + self._command(self.verifier_environment(env), "/tests", list(argv))
             )
-            got = run_capped(
-                host_argv, timeout=timeout, cap=self.cfg.max_output_bytes, env={"PATH": BASE_PATH}
-            )
-            self.exec_durations.append(got.duration_s)
-            return VerifierRun(
-                exec_result(got, self.cfg.max_output_bytes), read_verifier_logs(logs / "verifier")
-            )
+            if not self.overlays:
+                got = run_capped(
+                    host_argv, timeout=timeout, cap=self.cfg.max_output_bytes, env={"PATH": BASE_PATH}
+                )
+                self.exec_durations.append(got.duration_s)
+                return VerifierRun(
+                    exec_result(got, self.cfg.max_output_bytes), read_verifier_logs(logs / "verifier")
+                )
+            # The verifier sees the agent's copy-on-write base, as under Docker: its toolchain is
+            # checked in the agent's upper dirs before, during and after (``podman_toolchain``).
+            lowers = self._lowers()
+            watch = podman_toolchain.Watch(self._upper).start()
+            try:
+                before = podman_toolchain.scan(self._upper, lowers)
+                if before:
+                    result = ExecResult("", f"verifier not run: {before}\n", 1)
+                else:
+                    got = run_capped(
+                        host_argv, timeout=timeout, cap=self.cfg.max_output_bytes, env={"PATH": BASE_PATH}
+                    )
+                    self.exec_durations.append(got.duration_s)
+                    result = exec_result(got, self.cfg.max_output_bytes)
+            finally:
+                during = watch.stop()
+            tampered = before or during or podman_toolchain.scan(self._upper, lowers)
+            return VerifierRun(result, {} if before else read_verifier_logs(logs / "verifier"), tampered)
         finally:
             if cg is not None:
                 cg.kill_all()

@@ -29,7 +29,7 @@ from tmax_jax.sandbox.bwrap import BwrapImage, BwrapSandbox
 from tmax_jax.sandbox.config import SandboxConfig
 from tmax_jax.sandbox.recipe import Recipe, Step
 
-LAYER_FORMAT = 1
+LAYER_FORMAT = 2
 
 
 def tree_hash(path: Path) -> str:
@@ -119,7 +119,7 @@ def _replay(cfg: SandboxConfig, recipe: Recipe, rootfs_spec: str, out: Path, tim
                 sb.image_env[st.args[0]] = st.args[1]
             elif st.kind == "workdir":
                 workdir = posixpath.normpath(posixpath.join(workdir, st.args[0]))
-                if not rfs.writable(workdir):
+                if not sb.writable(workdir):
                     raise TaskFormatError(
                         f"{where}: WORKDIR {workdir} is inside the bwrap backend's read-only base ({', '.join(rfs.read_only)})"
                     )
@@ -127,7 +127,7 @@ def _replay(cfg: SandboxConfig, recipe: Recipe, rootfs_spec: str, out: Path, tim
             elif st.kind in ("copy", "copy_host"):
                 dest = st.args[-1]
                 dest_abs = posixpath.normpath(posixpath.join(workdir, dest))
-                if not rfs.writable(dest_abs):
+                if not sb.writable(dest_abs):
                     raise TaskFormatError(
                         f"{where}: COPY destination {dest_abs} is inside the bwrap backend's read-only base ({', '.join(rfs.read_only)})"
                     )
@@ -160,6 +160,18 @@ def _replay(cfg: SandboxConfig, recipe: Recipe, rootfs_spec: str, out: Path, tim
         r = subprocess.run(["cp", "-a", f"{sb.state}/.", f"{out}/fs/"], capture_output=True, text=True)
         if r.returncode != 0:
             raise SandboxError(f"saving layer failed: {r.stderr[-500:]}")
+        # What the build changed in the copy-on-write base dirs (whiteouts and opaque dirs kept): a
+        # lower layer of each sandbox's overlay of that dir.
+        for dest, upper in sb.overlay_uppers().items():
+            target = out / "fs" / dest.lstrip("/")
+            if not any(upper.iterdir()):
+                if target.is_dir() and not target.is_symlink() and not any(target.iterdir()):
+                    target.rmdir()  # the empty mount point the build sandbox's root had
+                continue
+            target.mkdir(parents=True, exist_ok=True)
+            r = subprocess.run(["cp", "-a", f"{upper}/.", f"{target}/"], capture_output=True, text=True)
+            if r.returncode != 0:
+                raise SandboxError(f"saving layer's {dest} failed: {r.stderr[-500:]}")
     # /logs and /tests belong to the episode, never to the environment; .tmax holds the sandbox's
     # scratch (/tmp, /run, /dev/shm), which a layer never kept.
     for p in ("logs", "tests", "solution", ".tmax"):

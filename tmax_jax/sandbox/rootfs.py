@@ -2,7 +2,8 @@
 
 ``host``: the host's /usr and /etc (and the running Python's prefix, so ``python3 -m pytest`` works
 in verifiers), never /root, /home, /work or /var. A sandbox's root directory is its own (writable,
-as under Docker); these are mounted read-only over it. A directory: every top-level entry of that rootfs
+as under Docker); these are mounted over it, copy-on-write as host root (``overlay.py``), else
+read-only. A directory: every top-level entry of that rootfs
 (made by ``sandboxes/build_rootfs.py`` or debootstrap), except the writable paths.
 """
 
