@@ -364,6 +364,21 @@ def test_tis_is_rejected_for_losses_without_an_importance_weight():
     assert not d.truncated
 
 
+def test_train_config_refuses_a_loss_truncation_other_than_the_rollouts():
+    from tmax_jax.config import override
+    from tmax_jax.train.config import TrainConfig
+
+    for bad in (
+        {"top_p": 0.9},  # the engine samples (and reports logprobs) truncated, the loss does not
+        {"rl": {"loss": {"top_k": 20}}},  # the loss truncates, the engine does not
+        {"top_k": 20, "rl": {"loss": {"top_k": 10}}},
+    ):
+        with pytest.raises(ConfigError, match=r"rl\.loss\.top_k / rl\.loss\.top_p .* rollout sampling"):
+            override(TrainConfig(), bad)
+    ok = override(TrainConfig(), {"top_k": 20, "top_p": 0.9, "rl": {"loss": {"top_k": 20, "top_p": 0.9}}})
+    assert ok.rl.loss.truncated and (ok.top_k, ok.top_p) == (20, 0.9)
+
+
 def test_sequence_masking_drops_whole_sequences_by_geometric_mean_ratio():
     lp, mu_lp, _, mask = make_case(21, B=3, T=10, spread=0.5)
     mask[-1] = 1.0

@@ -160,15 +160,16 @@ def test_model_logits_are_the_head_of_its_hidden_states():
     np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(want))
 
 
-def engine_vs_trainer_gap(dtype, prompt_len=11, new_tokens=6, temperature=0.9):
-    """max |engine logprob - trainer logprob| over a prefill's first token and decoded tokens."""
+def engine_vs_trainer_gap(dtype, prompt_len=11, new_tokens=6, temperature=0.9, top_k=0, top_p=1.0):
+    """max |engine logprob - trainer logprob| over a prefill's first token and decoded tokens, and
+    max |engine logprob - float64 NumPy logprob of the (truncated) tempered distribution|."""
     model = make_model(Qwen35Config.preset("tiny"), remat="none", dtype=dtype, seed=4)
     engine = Engine(model, max_concurrent_decodes=1, max_cache_length=64, max_prefill_length=16)
     prompt = np.random.default_rng(1).integers(0, 256, prompt_len).astype(np.int32)
     padded = np.zeros((16,), np.int32)
     padded[:prompt_len] = prompt
     params = engine.load_params()
-    sp = SamplingParams(temperature=temperature, seed=3)
+    sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=3)
     prefix, first = engine.prefill(
         params=params, padded_tokens=jnp.asarray(padded), true_length=prompt_len, sampling_params=sp
     )
@@ -180,18 +181,33 @@ def engine_vs_trainer_gap(dtype, prompt_len=11, new_tokens=6, temperature=0.9):
         lps.append(float(np.asarray(res.log_prob)[0, 0]))
     seq = jnp.asarray(np.concatenate([prompt, tokens])[None], jnp.int32)
     hidden = model.hidden_states(seq[:, :-1])
-    trainer = token_logprobs(hidden, model.lm_head_weight(), seq[:, 1:], temperature=temperature)
+    trainer = token_logprobs(
+        hidden, model.lm_head_weight(), seq[:, 1:], temperature=temperature, top_k=top_k, top_p=top_p
+    )
     trainer = np.asarray(trainer)[0, prompt_len - 1 :]
-    return float(np.abs(trainer[0] - lps[0])), float(np.abs(trainer - np.asarray(lps)).max())
+    logits64 = np.asarray(hidden, np.float64)[0, prompt_len - 1 :] @ np.asarray(
+        model.lm_head_weight(), np.float64
+    )
+    n = len(tokens)
+    ref = np_truncated_logprob(logits64, tokens, [temperature] * n, [top_k] * n, [top_p] * n)
+    engine_lp = np.asarray(lps)
+    return (
+        float(np.abs(trainer[0] - engine_lp[0])),
+        float(np.abs(trainer - engine_lp).max()),
+        float(np.abs(ref - engine_lp).max()),
+    )
 
 
 def test_engine_and_trainer_logprobs_agree_float32_and_bfloat16_gap_is_bounded():
-    first_f32, all_f32 = engine_vs_trainer_gap(jnp.float32)
+    # float32 with top-k and top-p on: the engine reports the truncated distribution's logprobs,
+    # which the trainer's head at the same loss.top_k / top_p recomputes.
+    first_f32, all_f32, ref_f32 = engine_vs_trainer_gap(jnp.float32, top_k=40, top_p=0.9)
     # Prefill's first token runs the same forward and the same head: float32 agreement to 1e-6.
     assert first_f32 <= 1e-6, first_f32
     # Decoded tokens go through the cache (recurrent delta rule vs the chunked one): float32 rounding.
     assert all_f32 <= 3e-5, all_f32
-    first_bf16, all_bf16 = engine_vs_trainer_gap(jnp.bfloat16)
+    assert ref_f32 <= 3e-5, ref_f32
+    first_bf16, all_bf16, _ = engine_vs_trainer_gap(jnp.bfloat16)
     print(
         f"engine-trainer |dlogp|: f32 first {first_f32:.2e} all {all_f32:.2e}; bf16 first {first_bf16:.2e} all {all_bf16:.2e}"
     )

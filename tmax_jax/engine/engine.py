@@ -29,6 +29,7 @@ from tmax_jax.engine.engine_api import EngineAPI, ResultTokens
 from tmax_jax.engine.sampling import SamplingParams
 from tmax_jax.errors import ConfigError, TmaxError
 from tmax_jax.launch import serialized
+from tmax_jax.rl.logprobs import head_logits
 
 # Columns of ResultTokens.data.
 _TOKENS, _VALID, _LENGTHS = (0, 1), (1, 2), (2, 3)
@@ -338,11 +339,8 @@ class Engine(EngineAPI):
         )
 
     def _logits(self, model: Any, hidden_NxD: jax.Array) -> jax.Array:
-        # Same float32 head the trainer applies to hidden_states(): logits == hidden @ W in f32.
-        w_DxV = model.lm_head_weight().astype(jnp.float32)
-        return jnp.einsum(
-            "nd,dv->nv", hidden_NxD.astype(jnp.float32), w_DxV, precision=jax.lax.Precision.HIGHEST
-        )
+        # The policy head the trainer applies to hidden_states() (one precision policy).
+        return head_logits(hidden_NxD, model.lm_head_weight())
 
     # ----------------------------------------------------------------- prefill
     def attend_length(self, n: int) -> int:

@@ -56,12 +56,17 @@ def tempered(logits_NxV: jax.Array, temperature) -> jax.Array:
     return logits_NxV.astype(jnp.float32) / t_N[..., None]
 
 
+# Rows that ask only for top-k with k up to this get their threshold from a partial top-k (no sort).
+PARTIAL_TOP_K = 256
+
+
 def truncation_threshold(scaled_NxV: jax.Array, top_k, top_p) -> jax.Array:
     """Per position, the smallest scaled logit still drawable under top-k and top-p (ties kept).
 
     ``top_k <= 0`` and ``top_p >= 1`` disable either filter. The nucleus is the smallest prefix of
     the sorted tokens whose mass reaches ``top_p``: a token is in it when the mass strictly before
-    it is still below ``top_p`` (so the top token is always kept).
+    it is still below ``top_p`` (so the top token is always kept). This is the full-sort form; see
+    :func:`truncate` for the one that skips the sort when it can.
     """
     scaled_NxV = jax.lax.stop_gradient(scaled_NxV)
     vocab = scaled_NxV.shape[-1]
@@ -78,25 +83,90 @@ def truncation_threshold(scaled_NxV: jax.Array, top_k, top_p) -> jax.Array:
     return jnp.maximum(kth, jnp.where(top_p >= 1.0, -jnp.inf, pth))
 
 
+def _top_k_threshold(scaled_NxV: jax.Array, top_k) -> jax.Array:
+    """:func:`truncation_threshold` without top-p for ``top_k <= PARTIAL_TOP_K`` (0 = off), from a
+    partial ``lax.top_k``: its k-th value is the sorted one."""
+    scaled_NxV = jax.lax.stop_gradient(scaled_NxV)
+    max_k = min(PARTIAL_TOP_K, scaled_NxV.shape[-1])
+    top_k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), scaled_NxV.shape[:-1])
+    top_NxK, _ = jax.lax.top_k(scaled_NxV, max_k)
+    kth = jnp.take_along_axis(top_NxK, (jnp.clip(top_k, 1, max_k) - 1)[..., None], axis=-1)[..., 0]
+    return jnp.where(top_k <= 0, -jnp.inf, kth)
+
+
+def _no_threshold(scaled_NxV: jax.Array) -> jax.Array:
+    return jnp.full(scaled_NxV.shape[:-1], -jnp.inf, jnp.float32)
+
+
+def _is_static(x) -> bool:
+    return x is None or (isinstance(x, (int, float)) and not isinstance(x, bool))
+
+
+def truncate(scaled_NxV: jax.Array, top_k=None, top_p=None) -> jax.Array:
+    """``scaled`` with every logit outside the top-k / nucleus support set to -inf: the logits the
+    sampler draws from and the truncated logprobs are taken over.
+
+    Static ``top_k`` / ``top_p`` (Python numbers or None: the trainer) pick the computation at trace
+    time; arrays (one value per position: the engine's slots) pick it at run time. Either way the
+    vocabulary is sorted only when some position asks for top-p or for a top-k past
+    :data:`PARTIAL_TOP_K`, and nothing is done when none asks for truncation.
+    """
+    if _is_static(top_k) and _is_static(top_p):
+        k = 0 if top_k is None else int(top_k)
+        p = 1.0 if top_p is None else float(top_p)
+        if k <= 0 and p >= 1.0:
+            return scaled_NxV
+        thr_N = (
+            _top_k_threshold(scaled_NxV, k)
+            if p >= 1.0 and k <= PARTIAL_TOP_K
+            else truncation_threshold(scaled_NxV, k, p)
+        )
+    else:
+        lead = scaled_NxV.shape[:-1]
+        k_N = jnp.broadcast_to(jnp.asarray(0 if top_k is None else top_k, jnp.int32), lead)
+        p_N = jnp.broadcast_to(jnp.asarray(1.0 if top_p is None else top_p, jnp.float32), lead)
+        wants = jnp.any((k_N > 0) | (p_N < 1.0))
+        partial_ok = jnp.all((p_N >= 1.0) & (k_N <= min(PARTIAL_TOP_K, scaled_NxV.shape[-1])))
+        kind = jnp.where(wants, jnp.where(partial_ok, 1, 2), 0)
+        thr_N = jax.lax.switch(
+            kind,
+            [
+                _no_threshold,
+                lambda x: _top_k_threshold(x, k_N),
+                lambda x: truncation_threshold(x, k_N, p_N),
+            ],
+            scaled_NxV,
+        )
+    return jnp.where(scaled_NxV >= thr_N[..., None], scaled_NxV, -jnp.inf)
+
+
+def sampling_logits(logits_NxV: jax.Array, temperature=1.0, top_k=None, top_p=None) -> jax.Array:
+    """float32 logits of the distribution a token is drawn from: ``logits / T`` (greedy T counts as
+    1), truncated to the top-k / nucleus support. The sampler draws from these; the logprob of a
+    token is :func:`logprob_at` of them."""
+    return truncate(tempered(logits_NxV, temperature), top_k, top_p)
+
+
+def logprob_at(sampling_NxV: jax.Array, tokens_N: jax.Array, *, floor: bool = True) -> jax.Array:
+    """float32 ``log_softmax(sampling_logits)`` at ``tokens``; a token outside a truncated support
+    gets :data:`TRUNCATED_LOGPROB_FLOOR` when ``floor``."""
+    lse_N = jax.nn.logsumexp(sampling_NxV, axis=-1)
+    picked_N = jnp.take_along_axis(sampling_NxV, tokens_N[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    lp_N = picked_N - lse_N
+    return jnp.maximum(lp_N, TRUNCATED_LOGPROB_FLOOR) if floor else lp_N
+
+
 def logprobs_from_logits(logits_NxV, tokens_N, temperature=1.0, top_k=None, top_p=None) -> jax.Array:
     """float32 log-probability of ``tokens`` under ``softmax(logits / T)``.
 
     With ``top_k`` / ``top_p`` given (scalars or one per position), the distribution is the
     truncated one the sampler draws from: renormalised over the kept tokens; a token outside it
     gets ``TRUNCATED_LOGPROB_FLOOR``. ``None`` for both: the untruncated tempered distribution.
+    Exactly ``logprob_at(sampling_logits(logits, T, top_k, top_p), tokens)``, which the engine's
+    sampler computes (sharing the truncation with its draw).
     """
-    scaled_NxV = tempered(logits_NxV, temperature)
-    if top_k is not None or top_p is not None:
-        thr_N = truncation_threshold(
-            scaled_NxV, 0 if top_k is None else top_k, 1.0 if top_p is None else top_p
-        )
-        scaled_NxV = jnp.where(scaled_NxV >= thr_N[..., None], scaled_NxV, -jnp.inf)
-    lse_N = jax.nn.logsumexp(scaled_NxV, axis=-1)
-    picked_N = jnp.take_along_axis(scaled_NxV, tokens_N[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    lp_N = picked_N - lse_N
-    if top_k is not None or top_p is not None:
-        lp_N = jnp.maximum(lp_N, TRUNCATED_LOGPROB_FLOOR)
-    return lp_N
+    truncating = not (top_k is None and top_p is None)
+    return logprob_at(sampling_logits(logits_NxV, temperature, top_k, top_p), tokens_N, floor=truncating)
 
 
 def _check(hidden_BxTxD, lm_head_DxV, targets_BxT, temperature) -> None:

@@ -214,7 +214,8 @@ class TrainConfig:
     mode: Literal["async", "sync"] = "async"
     rollout_workers: int = 32  # episodes in flight (threads driving sandboxes and the engine)
     temperature: float = 1.0
-    top_p: float = 1.0
+    top_p: float = 1.0  # rollout sampling truncation (0 / 1: off); the loss must use the same
+    top_k: int = 0
     seq_len: int = 8192  # train row length (trajectories are packed into rows)
     save_every: int = 10
     keep_checkpoints: int = 3
@@ -250,6 +251,14 @@ class TrainConfig:
             raise ConfigError(
                 f"rl.loss.temperature ({self.rl.loss.temperature}) must equal the sampling temperature "
                 f"({self.temperature})"
+            )
+        loss = self.rl.loss
+        if (loss.top_k, loss.top_p) != (self.top_k, self.top_p):
+            # The engine reports logprobs of the truncated distribution it samples from; a trainer
+            # over another support would compare two different distributions (ratio != 1 on policy).
+            raise ConfigError(
+                f"rl.loss.top_k / rl.loss.top_p ({loss.top_k} / {loss.top_p}) must equal the rollout "
+                f"sampling top_k / top_p ({self.top_k} / {self.top_p})"
             )
 
     @property
