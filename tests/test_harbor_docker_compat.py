@@ -2,9 +2,9 @@
 
 Each task here uses one Dockerfile or task.toml feature a Docker build honours (heredocs, ``ENV
 PATH=...:${PATH}``, ``USER`` for build steps, ``COPY --chown``, a local ``ADD`` archive, a mirror
-registry's base name, ``[verifier.env]``/``[solution.env]``/``[agent.env]``, verifier files) and must
+registry's base name, a final ``USER``, ``[verifier.env]``/``[solution.env]``/``[agent.env]``, verifier files) and must
 score 1 with its reference solution and 0 without. Tasks that cannot run here (a download at test
-time, a final ``USER``, a build needing another Python's ABI) are listed as unavailable with the
+time, a build needing another Python's ABI) are listed as unavailable with the
 line that needs it, and a malformed task as invalid, while the rest of the set runs.
 
 On podman (which builds the real Dockerfile) the same set runs too, except two tasks skipped with
@@ -163,6 +163,8 @@ def task_set(tmp_path_factory) -> Path:
         test_sh.read_text()
         + 'echo \'{"results": {"summary": {"tests": 1}}}\' > /logs/verifier/ctrf.json\n'
         + "ls -la /app > /logs/verifier/app-listing.log\n"
+        + "mkdir -p /logs/verifier/pytest/run1 && echo nested > /logs/verifier/pytest/run1/out.log\n"
+        + "ln -s /etc/hostname /logs/verifier/pytest/link\n"
     )
     # Needs the network at test time: listed as unavailable, naming tests/test.sh's line.
     d = write_harbor_task(
@@ -179,15 +181,18 @@ def task_set(tmp_path_factory) -> Path:
         "#!/bin/bash\ncurl -s http://localhost:8000/health || true\n"
         "curl -LsSf https://astral.sh/uv/0.7.13/install.sh | sh\n" + test_sh.read_text().split("\n", 1)[1]
     )
-    # The image's last USER cannot be honoured for the agent here: unavailable, naming the USER.
+    # The image's last USER (one its build created): the agent's commands run as it, with its HOME.
     write_harbor_task(
         root,
         "final-user",
         "dockerfile",
         "Create /app/done.",
-        "FROM ubuntu:24.04\nRUN mkdir -p /app && chmod 777 /app\nWORKDIR /app\nUSER nobody\n",
-        "[ -e /app/done ]",
-        {"solve.sh": "touch /app/done\n"},
+        # (the user written into /etc/passwd by hand: podman's minimal base has no useradd)
+        "FROM ubuntu:24.04\nRUN echo agent:x:1234:1234::/home/agent:/bin/sh >> /etc/passwd && "
+        "echo agent:x:1234: >> /etc/group && mkdir -p /app /home/agent && chown agent:agent /app /home/agent\n"
+        "WORKDIR /app\nUSER agent\n",
+        '[ "$(stat -c %U /app/done 2>/dev/null)" = agent ]',
+        {"solve.sh": '[ "$(id -un):$HOME:$USER" = agent:/home/agent:agent ] && touch /app/done\n'},
     )
     # Multi-stage: COPY --from an earlier stage; that stage's other files and ENV stay out of the
     # image, and a stage nothing refers to is not built (its RUN would fail).
@@ -222,7 +227,16 @@ def task_set(tmp_path_factory) -> Path:
     return root
 
 
-SCORED = ("add-archive", "env-path", "env-sections", "heredoc", "multi-stage", "user-build", "verifier-files")
+SCORED = (
+    "add-archive",
+    "env-path",
+    "env-sections",
+    "final-user",
+    "heredoc",
+    "multi-stage",
+    "user-build",
+    "verifier-files",
+)
 
 
 @pytest.fixture(scope="module")
@@ -269,9 +283,9 @@ def test_docker_features_on_podman(task_set, tmp_path_factory):
             task_set, agent, out / agent.name, EvalConfig(concurrency=2), sandbox_cfg=cfg, log=lambda _m: None
         )
         rows[agent.name] = {r["task_id"]: r for r in s["tasks"]}
-    # podman honours the image's last USER itself: that task runs there.
-    for name in (*(n for n in SCORED if n not in PODMAN_SKIPPED), "final-user"):
-        assert rows["oracle"][name]["passes"] == 1, (name, rows["oracle"][name])
+    for name in (n for n in SCORED if n not in PODMAN_SKIPPED):
+        row = rows["oracle"][name]
+        assert row["passes"] == 1, (name, row.get("status"), row.get("reason"))
         assert rows["noop"][name]["status"] == "evaluated" and rows["noop"][name]["passes"] == 0, name
     assert rows["oracle"]["test-download"]["status"] == "env_unavailable"
     assert rows["oracle"]["broken-toml"]["status"] == "invalid"
@@ -287,13 +301,11 @@ def test_unrunnable_tasks_are_listed_not_scored(runs):
         )
         # curl to the task's own service (line 2) is not a download
         assert "line 2" not in rows["test-download"]["reason"]
-        assert rows["final-user"]["status"] == "env_unavailable"
-        assert "USER nobody" in rows["final-user"]["reason"]
         assert (
             rows["broken-toml"]["status"] == "invalid" and "not valid TOML" in rows["broken-toml"]["reason"]
         )
     o = summary["overall"]
-    assert (o["evaluated"], o["env_unavailable"], o["invalid"]) == (len(SCORED), 2, 1)
+    assert (o["evaluated"], o["env_unavailable"], o["invalid"]) == (len(SCORED), 1, 1)
     assert o["pass_at"]["1"] == 1.0  # over the evaluated tasks only
     assert [r["task_id"] for r in summary["invalid"]] == ["broken-toml"]
 
@@ -301,7 +313,10 @@ def test_unrunnable_tasks_are_listed_not_scored(runs):
 def test_attempt_dir_keeps_the_verifier_files(runs):
     out, *_ = runs
     vdir = out / "oracle" / "tasks" / "verifier-files" / "attempt-0" / "verifier"
-    assert sorted(p.name for p in vdir.iterdir()) == ["app-listing.log", "ctrf.json", "reward.txt"]
+    kept = sorted(str(p.relative_to(vdir)) for p in vdir.rglob("*") if p.is_file() or p.is_symlink())
+    # Subdirectories too; the link the verifier made is not followed nor kept.
+    assert kept == ["app-listing.log", "ctrf.json", "pytest/run1/out.log", "reward.txt"]
+    assert (vdir / "pytest" / "run1" / "out.log").read_text() == "nested\n"
     assert json.loads((vdir / "ctrf.json").read_text())["results"]["summary"]["tests"] == 1
     assert (vdir / "reward.txt").read_text().strip() == "1"
     assert "done" in (vdir / "app-listing.log").read_text()

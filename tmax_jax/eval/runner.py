@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import shutil
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -97,19 +98,23 @@ def _jsonable(obj: Any) -> Any:
 
 
 def _keep_verifier_files(dest: Path, files: Mapping[str, bytes]) -> None:
-    """Write the verifier's /logs/verifier files under ``dest`` (a rerun replaces the old ones).
+    """Write the verifier's /logs/verifier files (subdirectories too) under ``dest`` (a rerun
+    replaces the old ones).
 
-    Names come from inside the sandbox: only plain relative names are written, never a path that
-    could leave ``dest``."""
+    Names come from inside the sandbox: only relative paths of plain names are written, never one
+    that could leave ``dest``."""
     if dest.is_dir():
-        for old in dest.iterdir():
-            if old.is_file() or old.is_symlink():
-                old.unlink()
+        shutil.rmtree(dest)
     for name, data in files.items():
-        if not name or name in (".", "..") or "/" in name or "\0" in name:
+        parts = name.split("/")
+        if not name or "\0" in name or any(p in ("", ".", "..") for p in parts):
             continue
-        dest.mkdir(parents=True, exist_ok=True)
-        (dest / name).write_bytes(bytes(data))
+        target = dest.joinpath(*parts)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(bytes(data))
+        except OSError:
+            continue  # a name that is both a file and a dir in one listing cannot happen; be safe
 
 
 def attempt_dir(out_dir: Path, task_id: str, attempt: int) -> Path:

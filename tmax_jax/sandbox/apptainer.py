@@ -140,7 +140,9 @@ class ApptainerSandbox(Sandbox):
         if r.returncode != 0:
             raise SandboxError(f"apptainer instance start failed: {r.stderr.strip()[-800:]}")
 
-    def _exec_argv(self, argv: list[str], env: dict[str, str], cwd: str, interactive: bool) -> list[str]:
+    def _exec_argv(
+        self, argv: list[str], env: dict[str, str], cwd: str, interactive: bool, internal: bool = False
+    ) -> list[str]:
         host = [self.cfg.apptainer_bin, "exec", "--cleanenv", "--pwd", cwd]
         for k, v in env.items():
             host += ["--env", f"{k}={v}"]

@@ -64,22 +64,45 @@ def exec_result(got, cap: int) -> ExecResult:
     return ExecResult(out, err, got.exit_code, got.timed_out, got.truncated, got.duration_s)
 
 
-def read_verifier_logs(d: Path, max_bytes: int = 4 << 20, max_files: int = 64) -> dict[str, bytes]:
-    """The regular files directly in a verifier's logs dir ``d``, name -> bytes (each cut at
-    ``max_bytes``). Links, fifos and devices a verifier may have made there are skipped, never followed."""
+def read_verifier_logs(
+    d: Path, max_bytes: int = 4 << 20, max_files: int = 256, max_depth: int = 8
+) -> dict[str, bytes]:
+    """The regular files in a verifier's logs dir ``d`` and its subdirectories, relative path ->
+    bytes (each cut at ``max_bytes``; at most ``max_files``, in path order). Every component is
+    opened relative to its parent without following links, so links, fifos and devices a verifier
+    may have made there are skipped, never followed."""
     out: dict[str, bytes] = {}
     try:
-        names = sorted(os.listdir(d))[:max_files]
+        top = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError:
         return out
-    for name in names:
+
+    def walk(dir_fd: int, prefix: str, depth: int) -> None:
         try:
-            fd = os.open(Path(d) / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            names = sorted(os.listdir(dir_fd))
         except OSError:
-            continue
-        with os.fdopen(fd, "rb") as f:
-            if stat.S_ISREG(os.fstat(fd).st_mode):
-                out[name] = f.read(max_bytes)
+            return
+        for name in names:
+            if len(out) >= max_files:
+                return
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+            except OSError:
+                continue
+            try:
+                mode = os.fstat(fd).st_mode
+                if stat.S_ISREG(mode):
+                    with os.fdopen(os.dup(fd), "rb") as f:
+                        out[prefix + name] = f.read(max_bytes)
+                elif stat.S_ISDIR(mode) and depth < max_depth:
+                    walk(fd, f"{prefix}{name}/", depth + 1)
+            finally:
+                os.close(fd)
+
+    try:
+        walk(top, "", 0)
+    finally:
+        os.close(top)
     return out
 
 
@@ -120,6 +143,8 @@ class Sandbox(abc.ABC):
         self.run_dir = cfg.resolved_run_dir / self.id
         self.exec_count = 0
         self.exec_durations: list[float] = []
+        # The image's final ``USER`` (Docker's ``user[:group]``), for the agent's commands; None: root.
+        self.user: str | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> Sandbox:
@@ -177,6 +202,9 @@ class Sandbox(abc.ABC):
     # ---- commands --------------------------------------------------------------------------------
     def environment(self, env: Mapping[str, str] | None = None) -> dict[str, str]:
         out = {"PATH": BASE_PATH, "HOME": "/root", "LANG": "C.UTF-8", "TERM": "dumb", "USER": "root"}
+        if self.user is not None:
+            name = self.user.partition(":")[0]
+            out["USER"] = name if not name.isdigit() else out["USER"]
         out.update(self._backend_env())
         out.update(self.image_env)
         out.update(dict(self.cfg.env))
@@ -242,6 +270,7 @@ class Sandbox(abc.ABC):
             self.internal_environment() if internal else self.environment(env),
             cwd or self.workdir,
             interactive=stdin is not None,
+            internal=internal,
         )
         got = run_capped(
             host_argv, timeout=timeout, cap=cap, stdin=stdin, on_kill=self._on_kill, cap_stdout=cap_stdout
@@ -426,7 +455,9 @@ class Sandbox(abc.ABC):
     def _start(self) -> None: ...
 
     @abc.abstractmethod
-    def _exec_argv(self, argv: list[str], env: dict[str, str], cwd: str, interactive: bool) -> list[str]:
+    def _exec_argv(
+        self, argv: list[str], env: dict[str, str], cwd: str, interactive: bool, internal: bool = False
+    ) -> list[str]:
         """Host argv that runs ``argv`` inside the sandbox with exactly ``env`` and ``cwd``."""
 
     def _on_kill(self, proc) -> None:

@@ -86,6 +86,9 @@ class BwrapImage:
     layer: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
     workdir: str | None = None
+    # The Dockerfile's final USER: the agent's commands run as it (the runner's own and the
+    # verifier as root).
+    user: str | None = None
 
 
 def bwrap_available() -> bool:
@@ -99,6 +102,8 @@ class BwrapSandbox(Sandbox):
         image = image or BwrapImage(rootfs=cfg.rootfs)
         super().__init__(cfg, env=image.env, workdir=image.workdir)
         self.image = image
+        if image.user is not None and not _is_root_user(image.user):
+            self.user = image.user
         self.rootfs = rootfs.resolve(
             image.rootfs if image.rootfs != "host" else cfg.rootfs, cfg.writable_paths
         )
@@ -486,9 +491,15 @@ class BwrapSandbox(Sandbox):
             out["PATH"] = ":".join(self.rootfs.path_prefix) + ":" + BASE_PATH
         return out
 
-    def _exec_argv(self, argv: list[str], env: dict[str, str], cwd: str, interactive: bool) -> list[str]:
+    def _exec_argv(
+        self, argv: list[str], env: dict[str, str], cwd: str, interactive: bool, internal: bool = False
+    ) -> list[str]:
         if self.child_pid is None or not self._alive():
             raise SandboxError(f"sandbox {self.id} is not running")
+        if self.user is not None and not internal:
+            from tmax_jax.sandbox.recipe import as_user_line
+
+            argv = ["/bin/sh", "-c", as_user_line(self.user, argv, "HOME" in self.image_env)]
         return (
             self._host_prefix(self.cg, f"/proc/{self.child_pid}/ns/pid")
             + self._enter(("user", "net", "ipc", "uts", "cgroup"))
@@ -623,6 +634,11 @@ class BwrapSandbox(Sandbox):
 
     def memory_peak_bytes(self) -> int | None:
         return self.cg.memory_peak_bytes() if self.cg else None
+
+
+def _is_root_user(user: str) -> bool:
+    name, _, group = user.partition(":")
+    return name in ("root", "0") and group in ("", "root", "0")
 
 
 def _dests(args) -> list[tuple[str, str]]:

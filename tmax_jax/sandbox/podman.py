@@ -206,6 +206,7 @@ class PodmanSandbox(Sandbox):
             image = PodmanImage(image)
         super().__init__(cfg, env=None, workdir=(image.workdir if image else None))
         self.image = image
+        self.user = image.user if image else None
         self.name = f"tmax-{self.id}"
         self._layers: tuple[str, str, list[str]] | None = None
         self._verifies = 0
@@ -258,14 +259,23 @@ class PodmanSandbox(Sandbox):
     def environment(self, env=None) -> dict[str, str]:
         # The image's own ENV (PATH, ...) stays; only add what the caller and config ask for.
         out = {"TERM": "dumb", "LANG": "C.UTF-8", "HOME": "/root"}
+        if self.user is not None:  # podman runs it as the image's USER, with that user's HOME
+            del out["HOME"]
+            name = self.user.partition(":")[0]
+            if not name.isdigit():
+                out["USER"] = name
         out.update(dict(self.cfg.env))
         out.update(env or {})
         return out
 
-    def _exec_argv(self, argv: list[str], env: dict[str, str], cwd: str, interactive: bool) -> list[str]:
+    def _exec_argv(
+        self, argv: list[str], env: dict[str, str], cwd: str, interactive: bool, internal: bool = False
+    ) -> list[str]:
         host = ["podman", "exec"]
         if interactive:
             host.append("-i")
+        if internal:  # the runner's own commands (file transfer) as root, whatever the image's USER
+            host += ["--user", "0:0"]
         host += ["-w", cwd, "-e", f"TMAX_EXEC_ID={uuid.uuid4().hex}"]
         for k, v in env.items():
             host += ["-e", f"{k}={v}"]

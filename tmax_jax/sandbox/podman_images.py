@@ -41,6 +41,8 @@ ROOTFS_LABEL = "tmax-jax.rootfs-id"
 class PodmanImage:
     tag: str
     workdir: str | None = None
+    # The image's final USER (podman runs the agent's commands as it); None: root.
+    user: str | None = None
 
 
 def podman_available() -> tuple[bool, str]:
@@ -222,11 +224,12 @@ def build_image(
     """``podman build`` the task's Dockerfile (FROM lines mapped to local images), or a Containerfile
     generated from the recipe (container.def + setup.sh). Cached by content hash."""
     workdir = None
+    user = recipe.user if recipe.user not in ("root", "0", "root:root", "0:0") else None
     for st in recipe.steps:
         if st.kind == "workdir":
             workdir = st.args[0] if st.args[0].startswith("/") else f"{workdir or ''}/{st.args[0]}"
     if dockerfile is None and not recipe.steps:
-        return PodmanImage(map_base(cfg, recipe.base), workdir)
+        return PodmanImage(map_base(cfg, recipe.base), workdir, user)
     h = hashlib.sha256()
     h.update(json.dumps(recipe.key_data()).encode())
     if dockerfile is not None:
@@ -241,12 +244,12 @@ def build_image(
     h.update(f"{base}@{image_id(base)}".encode())
     tag = f"{TASK_REPO}:{h.hexdigest()[:24]}"
     if image_exists(tag):
-        return PodmanImage(tag, workdir)
+        return PodmanImage(tag, workdir, user)
     with image_lock(tag):
         if image_exists(tag):  # built by another process while we waited
-            return PodmanImage(tag, workdir)
+            return PodmanImage(tag, workdir, user)
         _build_task_image(cfg, recipe, dockerfile, base, tag, timeout_s)
-    return PodmanImage(tag, workdir)
+    return PodmanImage(tag, workdir, user)
 
 
 def _build_task_image(

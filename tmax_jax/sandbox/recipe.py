@@ -165,6 +165,11 @@ def _as_user(user: str, cmd_argv: list[str], explicit_home: bool) -> str:
     return f'HOME="$(getent passwd {q} | cut -d: -f6)"; export HOME="${{HOME:-/}}"; {setpriv}'
 
 
+def as_user_line(user: str, cmd_argv: list[str], explicit_home: bool) -> str:
+    """``cmd_argv`` as a shell line run as ``USER user[:group]`` (the agent's commands, at run time)."""
+    return _as_user(user, cmd_argv, explicit_home)
+
+
 def _is_root(user: str) -> bool:
     name, _, group = user.partition(":")
     return name in ("root", "0") and group in ("", "root", "0")

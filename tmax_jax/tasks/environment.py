@@ -109,17 +109,11 @@ def prepare_image(task: Task, cfg: SandboxConfig, log=None):
         from tmax_jax.sandbox.bwrap import BwrapImage
         from tmax_jax.sandbox.layers import build_layer, rootfs_for_base
 
-        if recipe.user not in ("root", "0", "root:root", "0:0"):
-            # Build steps after USER run as that user; the agent's and verifier's commands would
-            # need the backend to start them as that user, which bwrap sandboxes do not do yet.
-            raise TaskFormatError(
-                f"{task.environment.path}: USER {recipe.user} as the container's final user is not "
-                "supported by the bwrap backend (agent and tests would run as root); end the Dockerfile "
-                "with USER root or use --backend podman"
-            )
+        # The final USER: the agent's commands run as it, as under Docker (the verifier as root).
+        user = recipe.user if recipe.user not in ("root", "0", "root:root", "0:0") else None
         if not recipe.steps:
-            return BwrapImage(rootfs=rootfs_for_base(cfg, recipe.base))
-        return build_layer(cfg, recipe, timeout_s=timeout, log=log)
+            return BwrapImage(rootfs=rootfs_for_base(cfg, recipe.base), user=user)
+        return dataclasses.replace(build_layer(cfg, recipe, timeout_s=timeout, log=log), user=user)
     if cfg.backend == "podman":
         from tmax_jax.sandbox.podman_images import build_image
 
