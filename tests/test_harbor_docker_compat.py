@@ -457,3 +457,35 @@ def test_solution_download_is_unavailable_offline(tmp_path):
     assert check_environment(d, network=True).available
     (t,) = find_eval_tasks(tmp_path)
     assert not t.environment.available
+
+
+def test_run_task_and_train_list_network_tasks_as_unavailable(task_set, tmp_path, capsys):
+    """Offline, ``run-task``/``run-tasks`` report a task whose tests download as unavailable (exit
+    3, the line named) without running it, and ``train``'s tasks.dir never trains on it."""
+    import argparse
+
+    from tmax_jax.commands.run_task import run, run_many
+    from tmax_jax.train.config import load_train_config
+    from tmax_jax.train.setup import load_task_sets
+
+    common = dict(oracle=True, backend="bwrap", rootfs="host", json=True, cache_dir=str(tmp_path / "c"))
+    assert run(argparse.Namespace(task_dir=task_set / "test-download", network=False, **common)) == 3
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["status"] == "env_unavailable" and "line 3 (curl)" in line["reason"], line
+    d = tmp_path / "set"
+    for name in ("test-download", "env-path", "heredoc", "user-build", "add-archive"):
+        shutil.copytree(task_set / name, d / name)
+    # Only the unavailable one listed (the others' runs are covered above): run-tasks on a set of one.
+    only = tmp_path / "only"
+    shutil.copytree(task_set / "test-download", only / "test-download")
+    assert run_many(argparse.Namespace(dir=only, concurrency=1, network=False, **common)) == 0
+    out = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert out[0]["status"] == "env_unavailable" and out[-1]["summary"]["tasks"] == 0
+    assert out[-1]["summary"]["env_unavailable"] == 1
+    cfg = load_train_config(
+        None, {"run_dir": str(tmp_path / "run"), "tasks": {"dir": str(d), "num_heldout": 1}}
+    )
+    train, held = load_task_sets(cfg, tmp_path / "run")
+    names = {t.path.name for t in train + held}
+    assert names == {"env-path", "heredoc", "user-build", "add-archive"}
+    assert "skipping unavailable task" in capsys.readouterr().err

@@ -3,9 +3,13 @@
 run-task prepares the environment, runs the initial-state test (TMAX), the reference solution when
 ``--oracle`` (else nothing: the no-op baseline), then the verifier. With ``--json`` the last line
 is ``{"task", "reward", "passed", "reason", "duration_s", "verifier_log", ...}``. Exit status: 0
-when the task passed, 1 when it did not.
+when the task passed, 1 when it did not, 3 when it cannot run here: a task whose build, tests or
+solution download from the internet (or whose task.toml allows the internet) in an offline run
+(without ``--network``) is unavailable, with the line that needs the network, never scored
+(``--json``: ``{"task", "status": "env_unavailable", "reason"}``).
 
-run-tasks does every task under DIR on the sandbox pool, with a progress bar and a summary table.
+run-tasks does every task under DIR on the sandbox pool, with a progress bar and a summary table;
+unavailable tasks are listed with the reason and left out of the pass count and mean reward.
 """
 
 from __future__ import annotations
@@ -23,6 +27,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--rootfs", default="host", help="bwrap rootfs: 'host' or a rootfs directory")
     p.add_argument("--json", action="store_true", help="print results as JSON (the last line for run-task)")
+    p.add_argument(
+        "--network",
+        action="store_true",
+        help="builds reach the internet, and so do sandboxes of tasks whose task.toml allows it",
+    )
     p.add_argument(
         "--cache-dir", help="layers/images/run dirs (default ~/.cache/tmax-jax or $TMAX_JAX_CACHE)"
     )
@@ -43,7 +52,7 @@ def register(subparsers) -> None:
 def _config(args):
     from tmax_jax.sandbox import SandboxConfig
 
-    kw = {"backend": args.backend, "rootfs": args.rootfs}
+    kw = {"backend": args.backend, "rootfs": args.rootfs, "network": bool(getattr(args, "network", False))}
     if args.cache_dir:
         kw["cache_dir"] = args.cache_dir
     return SandboxConfig(**kw)
@@ -62,6 +71,13 @@ def run(args) -> int:
         # A task that is there but malformed is scored, not crashed on: --json gets a result line.
         res = TaskResult(Path(args.task_dir).name, 0.0, False, f"bad task: {e}", 0.0)
     else:
+        why = _unavailable(task, args)
+        if why is not None:
+            if args.json:
+                print(json.dumps({"task": task.path.name, "status": "env_unavailable", "reason": why}))
+            else:
+                print(f"{task.path.name}: unavailable here ({why})")
+            return 3
         res = run_task(task, "oracle" if args.oracle else None, _config(args))
     if args.json:
         print(json.dumps(res.to_json()))
@@ -70,6 +86,13 @@ def run(args) -> int:
             f"{res.task}: reward {res.reward:g} ({'passed' if res.passed else 'failed'}: {res.reason}) in {res.duration_s:.2f}s"
         )
     return 0 if res.passed else 1
+
+
+def _unavailable(task, args) -> str | None:
+    from tmax_jax.eval.environment import task_availability
+
+    env = task_availability(task, network=bool(getattr(args, "network", False)))
+    return None if env.available else env.reason
 
 
 def run_many(args) -> int:
@@ -85,6 +108,18 @@ def run_many(args) -> int:
     agent = "oracle" if args.oracle else None
     results: list[TaskResult] = []
 
+    unavailable: list[tuple[str, str]] = []
+    runnable = []
+    for d in dirs:
+        try:
+            why = _unavailable(load_task(d), args)
+        except TmaxError:
+            why = None  # reported as a bad task by the run
+        if why is None:
+            runnable.append(d)
+        else:
+            unavailable.append((d.name, why))
+
     def one(d: Path) -> TaskResult:
         try:
             task = load_task(d)
@@ -93,16 +128,21 @@ def run_many(args) -> int:
         return run_task(task, agent, cfg, pool=pool)
 
     with SandboxPool(cfg, size=args.concurrency or None) as pool:
-        futs = [pool.submit(one, d) for d in dirs]
+        futs = [pool.submit(one, d) for d in runnable]
         for f in tqdm(futs, desc="tasks", unit="task", file=sys.stderr, disable=not sys.stderr.isatty()):
             results.append(f.result())
         metrics = pool.metrics.summary()
     if args.json:
         for r in results:
             print(json.dumps(r.to_json()))
-        print(json.dumps({"summary": _summary(results), "pool": metrics}))
+        for name, why in unavailable:
+            print(json.dumps({"task": name, "status": "env_unavailable", "reason": why}))
+        summary = {**_summary(results), "env_unavailable": len(unavailable)}
+        print(json.dumps({"summary": summary, "pool": metrics}))
     else:
         _table(results, metrics)
+        for name, why in unavailable:
+            print(f"unavailable here: {name}: {why}")
     return 0
 
 

@@ -235,3 +235,17 @@ def check_environment(
                 if fetches:
                     return _unavailable(fetches, rel, when)
     return EnvironmentCheck(True)
+
+
+def task_availability(task, *, network: bool = False) -> EnvironmentCheck:
+    """Whether a loaded task can run in a run whose sandboxes have the internet (``network``) or
+    not: its Dockerfile, ``tests/test.sh`` and ``solution/solve.sh`` scanned for downloads, and a
+    ``task.toml`` that asks for the internet at run time (``allow_internet``) refused offline. Used
+    by ``tmax-jax eval``, ``run-task``/``run-tasks`` and ``train`` (``tasks.dir``) alike."""
+    allow = bool(getattr(getattr(task, "limits", None), "allow_internet", False))
+    env = check_environment(task.path, network=network, run_network=network and allow)
+    if env.available and not network and allow:
+        return EnvironmentCheck(
+            False, "task.toml allows internet at run time (allow_internet = true) and this run is offline"
+        )
+    return env

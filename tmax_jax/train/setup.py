@@ -114,6 +114,12 @@ _SHAPE_FIELDS = (
     "layer_types",
     "tie_word_embeddings",
     "attention_bias",
+    # Architecture and MoE shapes (Qwen3 vs Qwen 3.5; expert count, top-k, expert and shared widths).
+    "family",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
 )
 
 
@@ -219,9 +225,18 @@ def _copy_dir_tasks(cfg: TrainConfig, root: Path) -> None:
         tasks = []
         for p in find_tasks(d):
             try:
-                tasks.append(load_task(p))
+                task = load_task(p)
             except TaskFormatError as e:
                 print(f"tmax-jax train: skipping malformed task {p}: {e}", file=sys.stderr)
+                continue
+            # A task that needs the internet where the run has none is never trained on.
+            from tmax_jax.eval.environment import task_availability
+
+            env = task_availability(task, network=cfg.sandbox.network)
+            if not env.available:
+                print(f"tmax-jax train: skipping unavailable task {p}: {env.reason}", file=sys.stderr)
+                continue
+            tasks.append(task)
         if len(tasks) < 2:
             raise ConfigError(f"tasks.dir {d} has {len(tasks)} usable task(s); need at least 2")
         tasks.sort(key=lambda t: str(t.path))
