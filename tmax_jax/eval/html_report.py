@@ -36,10 +36,21 @@ def _stats_row(name: str, s: Mapping[str, Any], ks: list[int]) -> list[str]:
     ]
 
 
-def render_html(summary: Mapping[str, Any]) -> str:
-    ks: list[int] = summary["ks"]
-    k = summary["k"]
-    stat_header = [
+def _page(title: str, body: str) -> str:
+    """One report page: the shared head and style around ``body`` (``title`` is escaped here)."""
+    return (
+        '<!doctype html>\n<html><head><meta charset="utf-8">'
+        f"<title>{escape(title)}</title>\n<style>\n"
+        "body { font-family: sans-serif; margin: 2em; }\n"
+        "table { border-collapse: collapse; margin: 1em 0; }\n"
+        "td, th { border: 1px solid #ccc; padding: 3px 8px; text-align: right; }\n"
+        "td:first-child, th:first-child { text-align: left; }\n"
+        f"</style></head><body>\n{body}</body></html>\n"
+    )
+
+
+def _stats_header(ks: list[int]) -> list[str]:
+    return [
         "",
         "tasks",
         "evaluated",
@@ -49,6 +60,16 @@ def render_html(summary: Mapping[str, Any]) -> str:
         "mean reward",
         "errors",
     ]
+
+
+def _meta_items(d: Mapping[str, Any], keys: tuple[str, ...]) -> str:
+    return "".join(f"<li><b>{escape(k)}</b>: {escape(str(d[k]))}</li>" for k in keys if k in d)
+
+
+def render_html(summary: Mapping[str, Any]) -> str:
+    ks: list[int] = summary["ks"]
+    k = summary["k"]
+    stat_header = _stats_header(ks)
     overall = summary["overall"]
     cats = summary["categories"]
     cat_names = list(cats)
@@ -83,20 +104,8 @@ def render_html(summary: Mapping[str, Any]) -> str:
                 escape(r.get("reason", "")),
             ]
         )
-    meta_items = "".join(
-        f"<li><b>{escape(str(key))}</b>: {escape(str(summary[key]))}</li>"
-        for key in ("agent", "model", "harness", "tasks_dir", "started", "elapsed_s")
-        if key in summary
-    )
-    return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>tmax-jax eval: {escape(str(summary.get("agent", "")))}</title>
-<style>
-body {{ font-family: sans-serif; margin: 2em; }}
-table {{ border-collapse: collapse; margin: 1em 0; }}
-td, th {{ border: 1px solid #ccc; padding: 3px 8px; text-align: right; }}
-td:first-child, th:first-child {{ text-align: left; }}
-</style></head><body>
-<h1>Evaluation report</h1>
+    meta_items = _meta_items(summary, ("agent", "model", "harness", "tasks_dir", "started", "elapsed_s"))
+    body = f"""<h1>Evaluation report</h1>
 <ul>{meta_items}</ul>
 <p>pass@j is the unbiased estimator of Chen et al. (2021) averaged over evaluated tasks; tasks whose
 environment cannot be built offline are listed as "environment unavailable", malformed task dirs as
@@ -109,8 +118,8 @@ environment cannot be built offline are listed as "environment unavailable", mal
 {charts[1]}
 <h2>Tasks</h2>
 {_table(["task", "category", "status", "passed", "pass@1", f"pass@{k}", "mean reward", "note"], task_rows)}
-</body></html>
 """
+    return _page(f"tmax-jax eval: {summary.get('agent', '')}", body)
 
 
 def render_before_after_html(summary: Mapping[str, Any]) -> str:
@@ -135,21 +144,13 @@ def render_before_after_html(summary: Mapping[str, Any]) -> str:
         sections.append(
             f"<h2>Per {escape(axis)}</h2>{_table(header, [row(v, e) for v, e in values.items()])}"
         )
-    return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>tmax-jax train: {escape(str(summary.get("run_dir", "")))}</title>
-<style>
-body {{ font-family: sans-serif; margin: 2em; }}
-table {{ border-collapse: collapse; margin: 1em 0; }}
-td, th {{ border: 1px solid #ccc; padding: 3px 8px; text-align: right; }}
-td:first-child, th:first-child {{ text-align: left; }}
-</style></head><body>
-<h1>Held-out pass rate before and after RL</h1>
+    body = f"""<h1>Held-out pass rate before and after RL</h1>
 <p>{escape(str(summary.get("run_dir", "")))}: {summary.get("steps")} RL steps; pass rate = passing episodes
 over held-out tasks x {summary.get("samples_per_task")} samples, same sampling settings before and after.</p>
 {"".join(sections)}
 <p><img src="learning_curve.png" alt="learning curve"></p>
-</body></html>
 """
+    return _page(f"tmax-jax train: {summary.get('run_dir', '')}", body)
 
 
 def render_harness_html(matrix: Mapping[str, Any]) -> str:
@@ -173,28 +174,15 @@ def render_harness_html(matrix: Mapping[str, Any]) -> str:
             for h in matrix["harnesses"]
         ]
         tables.append(f"<h2>pass@{j}: harness x category</h2>\n" + _table(["harness", "all", *cats], rows))
-    stat_header = ["", "tasks", "evaluated", "env unavailable", "invalid", *[f"pass@{j}" for j in ks]]
-    stat_header += ["mean reward", "errors"]
+    stat_header = _stats_header(ks)
     overall_rows = [_stats_row(h, by[h]["overall"], ks) for h in matrix["harnesses"]]
     chart = bar_chart(
         list(matrix["harnesses"]),
         {"pass@1": [by[h]["overall"]["pass_at"]["1"] for h in matrix["harnesses"]]},
         title="pass@1 per harness, all evaluated tasks",
     )
-    meta_items = "".join(
-        f"<li><b>{escape(str(key))}</b>: {escape(str(matrix[key]))}</li>"
-        for key in ("agent", "model", "tasks_dir")
-        if key in matrix
-    )
-    return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>tmax-jax eval by harness: {escape(str(matrix.get("agent", "")))}</title>
-<style>
-body {{ font-family: sans-serif; margin: 2em; }}
-table {{ border-collapse: collapse; margin: 1em 0; }}
-td, th {{ border: 1px solid #ccc; padding: 3px 8px; text-align: right; }}
-td:first-child, th:first-child {{ text-align: left; }}
-</style></head><body>
-<h1>Evaluation report: one agent, every harness</h1>
+    meta_items = _meta_items(matrix, ("agent", "model", "tasks_dir"))
+    body = f"""<h1>Evaluation report: one agent, every harness</h1>
 <ul>{meta_items}<li><b>harnesses</b>: {escape(", ".join(matrix["harnesses"]))}</li></ul>
 <p>Each cell is pass@j over that category's evaluated tasks under that harness (the count of
 evaluated tasks in brackets); each harness name links to its full report.</p>
@@ -202,5 +190,5 @@ evaluated tasks in brackets); each harness name links to its full report.</p>
 {chart}
 <h2>Per harness</h2>
 {_table(stat_header, overall_rows)}
-</body></html>
 """
+    return _page(f"tmax-jax eval by harness: {matrix.get('agent', '')}", body)
