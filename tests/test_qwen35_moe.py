@@ -81,6 +81,16 @@ def test_sparse_block_matches_numpy_float64():
     np.testing.assert_allclose(np.asarray(probs), p, atol=1e-6)
     np.testing.assert_allclose(np.asarray(y), ref, atol=1e-5, rtol=1e-5)
 
+    # Routing replay: odd tokens use given expert ids (weights = this router's renormalised
+    # probabilities at them), even tokens (-1) their own top-k.
+    replay = np.stack([rng.permutation(E)[:K] for _ in range(N)])
+    replay[::2] = -1
+    _, w_r, e_r = route(jnp.asarray(logits, jnp.float32), K, True, jnp.asarray(replay, jnp.int32))
+    want_e = np.where(replay[:, :1] >= 0, replay, np.asarray(experts))
+    np.testing.assert_array_equal(np.asarray(e_r), want_e)
+    want_w = np.take_along_axis(p, want_e, -1)
+    np.testing.assert_allclose(np.asarray(w_r), want_w / want_w.sum(-1, keepdims=True), atol=1e-6)
+
     # Gradients equal those of the dense formulation (every expert on every token, masked weights).
     def dense(x, wgu, wd):
         h = jnp.einsum("nd,edci->neci", x, wgu)
@@ -230,35 +240,77 @@ def test_experts_shard_over_fsdp_and_the_sharded_forward_matches(text_case):
     np.testing.assert_allclose(np.asarray(logits), np.asarray(forward(model, ids)), atol=2e-5, rtol=2e-5)
 
 
-def test_train_step_runs(text_case):
+def test_train_step_replays_routing_and_reports_router_load(text_case):
+    """A train step with routing replay (half the rows carry recorded ids, the rest -1) learns, and
+    its router/* metrics are those of the experts its forward used (NumPy from the ids); the router
+    aux loss is off by default."""
     from tmax_jax.rl import OptimizerConfig, RLConfig
-    from tmax_jax.rl.train_step import TrainStep
+    from tmax_jax.rl.config import TrainStepConfig
+    from tmax_jax.rl.train_step import ROUTING_FIELD, TrainStep
     from tmax_jax.sharding import MeshConfig, make_mesh
 
+    assert RLConfig().train_step.router_aux_loss_coef == 0.0 and not RLConfig().train_step.routing_replay
     path, _, _ = text_case
+    model = load_hf(path)  # the train step takes (donates) its params: not the fixture's model
+    batch = _batch(rows=2)
+    ids = jnp.asarray(batch["input_ids"])
+    # Recorded ids for row 0: its experts under another model (a different seed's router), so the
+    # replayed routing differs from what this model would pick.
+    other = load_hf(path)
+    o_params = nnx.state(other, nnx.Param)
+    r = o_params["blocks"]["layers"][0]["mlp"]["router"]
+    r.set_value(r[...][:, :, ::-1])  # experts relabelled: other choices, same router statistics
+    _, recorded = nnx.jit(lambda m, i: m.hidden_states(i, return_routing=True))(other, ids)
+    routed = np.asarray(recorded).transpose(1, 2, 0, 3).copy()  # [B, T, L, K]
+    routed[1] = -1
+    batch[ROUTING_FIELD] = routed.astype(np.int16)
+    _, own = nnx.jit(lambda m, i: m.hidden_states(i, return_routing=True))(model, ids)
+    used = np.where(routed.transpose(2, 0, 1, 3)[..., :1] >= 0, routed.transpose(2, 0, 1, 3), np.asarray(own))
+    assert (np.sort(used, -1) != np.sort(np.asarray(own), -1)).any()
+
     mesh_cfg = MeshConfig(data=1, fsdp=1, tensor=1)
-    rl = RLConfig(optimizer=OptimizerConfig(learning_rate=3e-3, grad_clip_norm=1.0))
-    step = TrainStep(load_hf(path), rl, make_mesh(mesh_cfg, jax.devices()[:1]), mesh_cfg)
+    rl = RLConfig(
+        optimizer=OptimizerConfig(learning_rate=3e-3, grad_clip_norm=1.0),
+        train_step=TrainStepConfig(routing_replay=True),
+    )
+    step = TrainStep(model, rl, make_mesh(mesh_cfg, jax.devices()[:1]), mesh_cfg)
     state = step.init_state()
-    before = np.asarray(state.params["blocks"]["layers"][0]["mlp"]["gate_up_proj"][...])
-    losses = []
+    before = np.asarray(state.params["blocks"]["layers"][0]["mlp"]["router"][...])
+    losses, first = [], None
     for _ in range(2):
-        state, metrics = step(state, _batch(rows=2))
+        state, metrics = step(state, batch)
+        first = first or metrics
         losses.append(float(metrics["loss"]))
-    after = np.asarray(state.params["blocks"]["layers"][0]["mlp"]["gate_up_proj"][...])
+    after = np.asarray(state.params["blocks"]["layers"][0]["mlp"]["router"][...])
     assert np.isfinite(losses).all() and losses[1] < losses[0] and np.abs(after - before).max() > 0
 
+    E = 8
+    load = np.stack([np.bincount(u.reshape(-1), minlength=E) for u in used]).astype(np.float64)
+    load /= load.sum(-1, keepdims=True)
+    ent = -np.sum(np.where(load > 0, load * np.log(np.where(load > 0, load, 1)), 0), -1) / np.log(E)
+    np.testing.assert_allclose(float(first["router/max_load"]), load.max(-1).mean() * E, rtol=1e-5)
+    np.testing.assert_allclose(float(first["router/min_load"]), load.min(-1).mean() * E, rtol=1e-5)
+    np.testing.assert_allclose(float(first["router/load_entropy"]), ent.mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(first["router/idle_experts"]), (load == 0).mean(), rtol=1e-6)
 
-def test_router_stats_under_remat_give_aux_loss_gradients(text_case):
+
+def test_router_stats_and_replay_under_remat_give_router_gradients(text_case):
+    """remat="full" (per-layer hand-made checkpoints): router stats, replayed ids and the ids used
+    pass through the checkpoints; the aux loss reaches the router, and with every token replayed the
+    ids used are the replayed ones."""
     path, _, _ = text_case
     model = load_hf(path, remat="full")
     ids = jnp.asarray(random_ids(np.random.default_rng(5), 1, 8, 256))
+    replay = jnp.asarray(
+        np.stack([np.random.default_rng(i).permutation(8)[:3] for i in range(32)]).reshape(4, 1, 8, 3)
+    )
 
     def loss(m):
-        _, stats = m.hidden_states(ids, router_stats=True)
-        return m.router_aux_loss(stats)
+        hidden, stats, used = m.hidden_states(ids, router_stats=True, routing=replay, return_routing=True)
+        return m.router_aux_loss(stats) + 1e-3 * jnp.sum(hidden), used
 
-    grads = nnx.jit(nnx.grad(loss))(model)
+    grads, used = nnx.jit(nnx.grad(loss, has_aux=True))(model)
+    np.testing.assert_array_equal(np.asarray(used), np.asarray(replay))
     router_grad = np.asarray(grads["blocks"]["layers"][0]["mlp"]["router"][...])
     assert np.isfinite(router_grad).all() and np.abs(router_grad).max() > 0
 
@@ -275,3 +327,99 @@ def test_presets_and_bad_configs():
         Qwen35Config.preset("tiny-moe", num_experts_per_tok=9)
     with pytest.raises(ConfigError, match="num_experts"):
         Qwen35Config.from_hf_config({**moe_text_config(), "model_type": "qwen3_5_text"})
+
+
+def test_routing_replay_restores_the_engines_experts(text_case):
+    """The engine records each decoded token's experts per layer; after a small router change (a
+    learner update) the re-routed forward picks other experts for some of those tokens, the replayed
+    one uses exactly the engine's, with gradients still reaching the router. With the engine's own
+    weights, replaying its ids gives the trainer's logprobs of the non-replayed path (same ids)."""
+    from tmax_jax.engine import Engine, SamplingParams
+    from tmax_jax.engine.engine import PrefillRequest
+    from tmax_jax.rl.logprobs import token_logprobs
+
+    path, _, model = text_case
+    L, K, steps = 4, 3, 8
+    engine = Engine(
+        model, max_concurrent_decodes=2, max_cache_length=32, max_prefill_length=16, decode_steps=steps,
+        min_attend_bucket=32, record_routing=True,
+    )  # fmt: skip
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 256, 9).tolist(), rng.integers(0, 256, 12).tolist()]
+    reqs = [
+        PrefillRequest(p, SamplingParams(temperature=1.0, seed=s), steps + 1) for s, p in enumerate(prompts)
+    ]
+    prefixes = engine.prefill_many(engine.params, reqs)
+    state = engine.init_decode_state()
+    for s, pre in enumerate(prefixes):
+        state = engine.insert(pre, state, s)
+    _, blk = engine.generate_block(engine.params, state, steps)
+    toks, valid, lps, experts = jax.device_get((blk.tokens, blk.valid, blk.log_prob, blk.experts))
+    assert experts.shape == (steps, 2, L, K) and valid.all()
+
+    # Rows as the trainer packs them: prompt, first token, decoded tokens; routed ids for the fed ones.
+    T = 24
+    ids = np.zeros((2, T), np.int32)
+    seg = np.zeros((2, T), np.int32)
+    routed = np.full((L, 2, T, K), -1, np.int32)
+    gen = np.zeros((2, T), bool)
+    eng_lp = np.zeros((2, T), np.float32)
+    for s, (p, pre) in enumerate(zip(prompts, prefixes)):
+        row = p + [int(np.asarray(pre.token)[0])] + toks[:, s].tolist()
+        ids[s, : len(row)], seg[s, : len(row)] = row, 1
+        routed[:, s, len(p) : len(p) + steps] = experts[:, s].transpose(1, 0, 2)  # step j feeds row[len(p)+j]
+        gen[s, len(p) : len(p) + steps] = True  # targets row[len(p)+1 :] were sampled by the blocks
+        eng_lp[s, len(p) : len(p) + steps] = lps[:, s]
+    targets = np.roll(ids, -1, 1)
+
+    @nnx.jit
+    def fwd(m, routing):
+        hidden, used = m.hidden_states(jnp.asarray(ids), segment_ids=jnp.asarray(seg), routing=routing,
+                                       return_routing=True)  # fmt: skip
+        return token_logprobs(hidden, m.lm_head_weight(), jnp.asarray(targets)), used
+
+    lp_route, used_route = jax.device_get(fwd(model, None))
+    lp_replay, used_replay = jax.device_get(fwd(model, jnp.asarray(routed)))
+    gen_l = np.broadcast_to(gen[None, :, :, None], routed.shape)
+    np.testing.assert_array_equal(used_replay[gen_l], routed[gen_l])
+    # Same weights: the engine's ids are the trainer's own (f32, no tie flips), so replay changes nothing.
+    np.testing.assert_array_equal(used_route[gen_l], routed[gen_l])
+    np.testing.assert_array_equal(lp_replay, lp_route)
+    np.testing.assert_allclose(lp_replay[gen], eng_lp[gen], atol=2e-5)
+
+    # A small router change flips some of the recorded tokens' experts; replay restores them.
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    router = params["blocks"]["layers"][0]["mlp"]["router"]
+    w = np.asarray(router[...])
+    bumped = jax.tree.map(lambda x: x, params)
+    bumped["blocks"]["layers"][0]["mlp"]["router"].set_value(
+        jnp.asarray(w + 0.15 * np.random.default_rng(8).normal(size=w.shape) * w.std())
+    )
+    moved = nnx.merge(graphdef, bumped, rest)
+    _, used_moved = jax.device_get(fwd(moved, None))
+    _, used_moved_replay = jax.device_get(fwd(moved, jnp.asarray(routed)))
+    flipped = (np.sort(used_moved, -1) != np.sort(routed, -1)).any(-1) & gen[None]
+    assert flipped.sum() >= 1, "the perturbation should re-route at least one recorded token"
+    np.testing.assert_array_equal(used_moved_replay[gen_l], routed[gen_l])
+
+    def loss(m):
+        return -jnp.sum(fwd.fun(m, jnp.asarray(routed))[0] * jnp.asarray(gen, jnp.float32))
+
+    g = nnx.grad(loss)(moved)["blocks"]["layers"][0]["mlp"]["router"][...]
+    assert np.isfinite(np.asarray(g)).all() and np.abs(np.asarray(g)).max() > 0
+
+
+def test_checkpoint_with_other_expert_shapes_is_refused_by_name(tmp_path):
+    """train's shape check (the plan's preset vs the checkpoint's config.json) names MoE fields."""
+    from tmax_jax.errors import ConfigError
+    from tmax_jax.train.config import ModelSource, TrainConfig
+    from tmax_jax.train.setup import _check_shape
+
+    cfg = TrainConfig(model=ModelSource(preset="tiny-moe", checkpoint=str(tmp_path)))
+    for field, value in (("num_experts", 16), ("moe_intermediate_size", 48), ("num_experts_per_tok", 4)):
+        hf = Qwen35Config.preset("tiny-moe", **{field: value}).to_hf_config()
+        (tmp_path / "config.json").write_text(json.dumps(hf))
+        with pytest.raises(ConfigError, match=rf"{field}: {value} != "):
+            _check_shape(cfg, tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(Qwen35Config.preset("tiny-moe").to_hf_config()))
+    _check_shape(cfg, tmp_path)

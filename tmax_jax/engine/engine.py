@@ -77,6 +77,10 @@ class DecodeBlock:
     valid: jax.Array  # bool [K, S]
     log_prob: jax.Array  # float32 [K, S]
     generated: jax.Array  # int32 [K, S]: tokens the slot has generated after this step
+    # Engines with record_routing (MoE): int32 [K, S, layers, top_k], the expert ids each MoE layer
+    # routed step j's input token of slot s to (the token sampled the step before; at step 0 the
+    # prefix's first token). Routing replay feeds them to the train step. None otherwise.
+    experts: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +149,7 @@ class Engine(EngineAPI):
         min_attend_bucket: int = 128,
         max_prefill_batch: int = 8,
         prompt_cache_entries: int = 4,
+        record_routing: bool = False,
     ):
         for name, v in [
             ("decode_steps", decode_steps),
@@ -166,6 +171,9 @@ class Engine(EngineAPI):
             raise ConfigError(
                 f"Engine: {len(eos_token_ids)} eos tokens but max_stop_tokens={max_stop_tokens}"
             )
+        if record_routing and not getattr(getattr(model, "config", None), "is_moe", False):
+            raise ConfigError("Engine: record_routing needs a MoE model (num_experts > 0)")
+        self.record_routing = bool(record_routing)
         self._graphdef, state = nnx.split(model)
         self._params = state
         self._version = 0
@@ -669,9 +677,13 @@ class Engine(EngineAPI):
     # ----------------------------------------------------------------- generate
     def _decode_step(self, model, state: DecodeState):
         active_S = state.active
-        hidden_Sx1xD, cache = model.hidden_states(
-            state.tokens[:, None], segment_ids=active_S[:, None].astype(jnp.int32), cache=state.cache
+        res = model.hidden_states(
+            state.tokens[:, None],
+            segment_ids=active_S[:, None].astype(jnp.int32),
+            cache=state.cache,
+            return_routing=self.record_routing,
         )
+        hidden_Sx1xD, cache = res[:2]
         logits_SxV = self._logits(model, hidden_Sx1xD[:, 0])
         keys_S = sampling.step_keys(state.key, state.generated)
         tokens_S, logprobs_S = sampling.sample(
@@ -689,12 +701,15 @@ class Engine(EngineAPI):
             active=active_S & ~done_S,
         )
         out = (jnp.where(active_S, tokens_S, 0), active_S, jnp.where(active_S, logprobs_S, 0.0), generated_S)
+        if self.record_routing:  # [layers, S, 1, K] -> [S, layers, K]; -1 for inactive slots
+            experts_SxLxK = jnp.moveaxis(res[2][:, :, 0], 0, 1)
+            out = (*out, jnp.where(active_S[:, None, None], experts_SxLxK, -1))
         return new_state, out
 
     def _generate_impl(self, params, state: DecodeState):
         self.trace_counts["generate"] += 1
         model = nnx.merge(self._graphdef, params)
-        new_state, (tokens_S, active_S, logprobs_S, generated_S) = self._decode_step(model, state)
+        new_state, (tokens_S, active_S, logprobs_S, generated_S, *_) = self._decode_step(model, state)
         data_Sx3 = jnp.stack([tokens_S, active_S.astype(jnp.int32), generated_S], axis=-1)
         result = ResultTokens(data_Sx3, _TOKENS, _VALID, _LENGTHS, 1, log_prob=logprobs_S[:, None])
         return new_state, result
@@ -720,6 +735,9 @@ class Engine(EngineAPI):
             jnp.zeros((K, S), jnp.float32),
             jnp.zeros((K, S), jnp.int32),
         )
+        if self.record_routing:
+            cfg = model.config
+            bufs += (jnp.full((K, S, cfg.num_hidden_layers, cfg.num_experts_per_tok), -1, jnp.int32),)
 
         def cond(carry):
             j, st, _ = carry
@@ -732,9 +750,9 @@ class Engine(EngineAPI):
             return j + 1, st, bufs
 
         init = (jnp.int32(0), state.replace(cache=self._narrow(full, attend)), bufs)
-        _, small, (tokens_KxS, valid_KxS, logprobs_KxS, generated_KxS) = jax.lax.while_loop(cond, body, init)
+        _, small, bufs = jax.lax.while_loop(cond, body, init)
         new_state = small.replace(cache=self._widen(small.cache, full))
-        return new_state, DecodeBlock(tokens_KxS, valid_KxS, logprobs_KxS, generated_KxS)
+        return new_state, DecodeBlock(*bufs)
 
     def _live_length_impl(self, state: DecodeState):
         return jnp.max(jnp.where(state.active, state.cache.lengths, 0))

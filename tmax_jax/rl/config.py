@@ -129,10 +129,22 @@ class TrainStepConfig:
 
     micro_batches: int = 1  # gradient accumulation: the batch's rows are split into this many slices
     remat: Literal["none", "full", "dots"] = "full"  # per-layer jax.checkpoint policy of the model
+    # MoE models only. The load-balancing loss (transformers' load_balancing_loss_func over all MoE
+    # layers) times this is added to the loss: 0 = off, the RL default (e.g. 0.001, the published
+    # checkpoints' router_aux_loss_coef, turns it on). Router load metrics are reported either way.
+    router_aux_loss_coef: float = 0.0
+    # Routing replay: every MoE layer uses the expert ids the engine chose for each token (the batch
+    # field routed_experts) instead of re-routing; the gate weights are still recomputed from the
+    # router, so it keeps learning. Tokens without recorded ids (-1) are routed as usual.
+    routing_replay: bool = False
 
     def __post_init__(self) -> None:
         if self.micro_batches < 1:
             raise ConfigError(f"train_step.micro_batches must be >= 1, got {self.micro_batches}")
+        if not (isinstance(self.router_aux_loss_coef, (int, float)) and self.router_aux_loss_coef >= 0):
+            raise ConfigError(
+                f"train_step.router_aux_loss_coef must be a number >= 0, got {self.router_aux_loss_coef!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

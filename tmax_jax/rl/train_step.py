@@ -29,6 +29,11 @@ from tmax_jax.rl.packing import BATCH_FIELDS, validate_batch
 # (< 0 where unknown or not generated). It feeds the mismatch / staleness metrics only; a batch
 # without it gets -1 everywhere.
 LAG_FIELD = "policy_lag"
+# Optional batch field of MoE runs with train_step.routing_replay: int16 [B, T, layers, top_k], the
+# expert ids the engine routed each input token to in each MoE layer (-1 where not recorded).
+ROUTING_FIELD = "routed_experts"
+# Per-expert router sums carried through micro-batches as stats (summed), reported as router/*.
+_ROUTER_STATS = ("router_tokens", "router_probs", "router_count")
 
 
 @struct.dataclass
@@ -79,6 +84,16 @@ class TrainStep:
             step=replicated, params=self.param_shardings, opt_state=self.opt_shardings, rng=replicated
         )
         self.batch_shardings = {k: shd.batch_sharding(mesh, 2) for k in (*BATCH_FIELDS, LAG_FIELD)}
+        model_cfg = model.config
+        self.is_moe = bool(getattr(model_cfg, "is_moe", False))
+        self.routing_replay = bool(cfg.train_step.routing_replay)
+        if (self.routing_replay or cfg.train_step.router_aux_loss_coef) and not self.is_moe:
+            raise ConfigError(
+                "train_step.routing_replay / router_aux_loss_coef need a MoE model (num_experts > 0)"
+            )
+        if self.routing_replay:
+            self.routing_shape = (model_cfg.num_hidden_layers, model_cfg.num_experts_per_tok)
+            self.batch_shardings[ROUTING_FIELD] = shd.batch_sharding(mesh, 4)
         self._jitted = jax.jit(
             self._step,
             in_shardings=(self.state_shardings, self.batch_shardings),
@@ -113,20 +128,42 @@ class TrainStep:
     # -- batches ------------------------------------------------------------------------------------
     def put_batch(self, local_batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
         """Validate this process's rows and assemble the global, row-sharded batch."""
-        local_batch = with_lag_field(local_batch)
+        local_batch = self._with_routing_field(with_lag_field(local_batch))
         validate_batch(
-            {k: v for k, v in local_batch.items() if k != LAG_FIELD},
+            {k: v for k, v in local_batch.items() if k not in (LAG_FIELD, ROUTING_FIELD)},
             rows_multiple=max(self.rows_multiple // jax.process_count(), 1),
         )
         return shd.global_batch(local_batch, self.mesh)
+
+    def _with_routing_field(self, batch: Mapping) -> dict:
+        """The routed_experts field present (-1: none recorded) with replay on, dropped with it off."""
+        batch = dict(batch)
+        if not self.routing_replay:
+            batch.pop(ROUTING_FIELD, None)
+            return batch
+        B, T = np.shape(batch["input_ids"])
+        want = (B, T, *self.routing_shape)
+        if ROUTING_FIELD not in batch:
+            batch[ROUTING_FIELD] = np.full(want, -1, np.int16)
+        got = batch[ROUTING_FIELD]
+        if tuple(np.shape(got)) != want or not np.issubdtype(np.dtype(got.dtype), np.integer):
+            raise ConfigError(
+                f"train batch field {ROUTING_FIELD!r} must be integer [B, T, layers, top_k] = {list(want)}, "
+                f"got {np.dtype(got.dtype).name}{list(np.shape(got))}"
+            )
+        return batch
 
     def __call__(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
         if not all(isinstance(v, jax.Array) for v in batch.values()):
             batch = self.put_batch(batch)
         else:
             batch = with_lag_field(batch)
+            if self.routing_replay and ROUTING_FIELD not in batch:
+                raise ConfigError(f"train_step.routing_replay: the device batch has no {ROUTING_FIELD!r}")
+            batch = self._with_routing_field(batch)
             validate_batch(
-                {k: v for k, v in batch.items() if k != LAG_FIELD}, rows_multiple=self.rows_multiple
+                {k: v for k, v in batch.items() if k not in (LAG_FIELD, ROUTING_FIELD)},
+                rows_multiple=self.rows_multiple,
             )
         with jax.set_mesh(self.mesh), serial_launch():
             return self._jitted(state, dict(batch))
@@ -135,7 +172,16 @@ class TrainStep:
     def _micro_loss(self, params, mb, normalizer):
         model = nnx.merge(self.graphdef, params, self.rest)
         hidden_sharding = NamedSharding(self.mesh, PartitionSpec(shd.BATCH_AXES, None, None))
-        return batch_loss(model, mb, self.cfg.loss, normalizer, hidden_sharding=hidden_sharding)
+        ts = self.cfg.train_step
+        return batch_loss(
+            model,
+            mb,
+            self.cfg.loss,
+            normalizer,
+            hidden_sharding=hidden_sharding,
+            router_aux_loss_coef=ts.router_aux_loss_coef / self.micro_batches,
+            routing_replay=self.routing_replay,
+        )
 
     def _step(self, state: TrainState, batch):
         M = self.micro_batches
@@ -172,21 +218,46 @@ class TrainStep:
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         rng, _ = jax.random.split(state.rng)
+        router = {k: stats.pop(k) for k in _ROUTER_STATS if k in stats}
         metrics = {
             "loss": loss,
             "grad_norm": optax.tree.norm(grads),
             "learning_rate": jnp.asarray(self.schedule(state.step), jnp.float32),
             **finalize_stats(stats),
         }
+        if router:
+            from tmax_jax.models.qwen35.moe import RouterStats
+
+            metrics |= RouterStats(*(router[k] for k in _ROUTER_STATS)).metrics()
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)
         return new_state, metrics
 
 
-def batch_loss(model, mb: Mapping, loss_cfg: LossConfig, normalizer, *, hidden_sharding=None):
-    """(loss, stat sums) of one (micro-)batch: the model's float32 token logprobs fed to the policy loss."""
-    hidden_BxTxD = model.hidden_states(
-        mb["input_ids"], positions=mb["positions"], segment_ids=mb["segment_ids"]
-    )
+def batch_loss(
+    model,
+    mb: Mapping,
+    loss_cfg: LossConfig,
+    normalizer,
+    *,
+    hidden_sharding=None,
+    router_aux_loss_coef: float = 0.0,
+    routing_replay: bool = False,
+):
+    """(loss, stat sums) of one (micro-)batch: the model's float32 token logprobs fed to the policy loss.
+
+    MoE models also sum their router statistics into the stats (router/* metrics), add
+    ``router_aux_loss_coef`` times the load-balancing loss, and with ``routing_replay`` route by the
+    batch's ``routed_experts``."""
+    moe = bool(getattr(model.config, "is_moe", False))
+    kw = dict(positions=mb["positions"], segment_ids=mb["segment_ids"])
+    router = None
+    if moe:
+        routing = None
+        if routing_replay:
+            routing = jnp.moveaxis(mb[ROUTING_FIELD].astype(jnp.int32), 2, 0)  # [L, B, T, K]
+        hidden_BxTxD, router = model.hidden_states(mb["input_ids"], router_stats=True, routing=routing, **kw)
+    else:
+        hidden_BxTxD = model.hidden_states(mb["input_ids"], **kw)
     if hidden_sharding is not None:
         hidden_BxTxD = jax.lax.with_sharding_constraint(hidden_BxTxD, hidden_sharding)
     logprobs_BxT = token_logprobs(
@@ -207,7 +278,13 @@ def batch_loss(model, mb: Mapping, loss_cfg: LossConfig, normalizer, *, hidden_s
         mb["segment_ids"],
         mb.get(LAG_FIELD),
     )
-    return loss_sum / normalizer, stats
+    loss = loss_sum / normalizer
+    if router is not None:
+        if router_aux_loss_coef:
+            loss = loss + router_aux_loss_coef * router.aux_loss()
+        sums = (router.tokens, jax.lax.stop_gradient(router.probs), router.count)
+        stats = {**stats, **dict(zip(_ROUTER_STATS, sums))}
+    return loss, stats
 
 
 def with_lag_field(batch: Mapping) -> dict:

@@ -34,7 +34,10 @@ class DecoderLayer(nnx.Module):
         self.is_moe = cfg.is_moe
         self.mlp = SparseMoeBlock(cfg, **kw) if cfg.is_moe else SwiGLU(cfg, **kw)
 
-    def __call__(self, x, ctx, layer_cache):
+    def __call__(self, x, ctx, layer_cache, replay=None):
+        """(output, new layer cache or None, aux): ``aux`` is empty for a dense MLP; for MoE,
+        ``{"router_stats": RouterStats, "experts": int32 [B, T, K]}`` (the expert ids used).
+        ``replay``: int [B, T, K] expert ids to route by (routing replay; -1 rows route as usual)."""
         h = rms_norm(x, self.input_layernorm[...], self.eps, zero_centred=self.zero_centred)
         if self.kind == FULL:
             with jax.named_scope("gated_attention"):
@@ -53,13 +56,11 @@ class DecoderLayer(nnx.Module):
         h = rms_norm(x, self.post_attention_layernorm[...], self.eps, zero_centred=self.zero_centred)
         if self.is_moe:
             with jax.named_scope("moe"):
-                h, stats = self.mlp(h, ctx["segment_ids"] > 0)
-            if ctx.get("router_stats") is not None:
-                ctx["router_stats"].append(stats)
-            return x + h, new_cache
+                h, stats, experts = self.mlp(h, ctx["segment_ids"] > 0, replay)
+            return x + h, new_cache, {"router_stats": stats, "experts": experts}
         with jax.named_scope("mlp"):
             x = x + self.mlp(h)
-        return x, new_cache
+        return x, new_cache, {}
 
 
 def recompute_in_backward(fn, params, x, consts):
@@ -81,22 +82,28 @@ def recompute_in_backward(fn, params, x, consts):
 
     def bwd(res, g):
         params, x, consts = res
+        # fn may return (x, aux): the anchor is the first output's cotangent (aux may hold integer
+        # outputs, whose float0 cotangents stay out of the barrier).
+        g_x, rest = (g[0], g[1:]) if isinstance(g, tuple) else (g, None)
         # x * 0 is not folded for floats, so no pass removes this dependency.
-        x = x + (jnp.sum(g, dtype=jnp.float32) * 0.0).astype(x.dtype)
-        (params, x, consts), g = jax.lax.optimization_barrier(((params, x, consts), g))
-        return jax.vjp(fn, params, x, consts)[1](g)
+        x = x + (jnp.sum(g_x, dtype=jnp.float32) * 0.0).astype(x.dtype)
+        (params, x, consts), g_x = jax.lax.optimization_barrier(((params, x, consts), g_x))
+        return jax.vjp(fn, params, x, consts)[1](g_x if rest is None else (g_x, *rest))
 
     apply.defvjp(fwd, bwd)
     return apply(params, x, consts)
 
 
-def _checkpointed(layer: DecoderLayer, x, ctx):
+def _checkpointed(layer: DecoderLayer, x, ctx, replay, collect):
     graphdef, state = nnx.split(layer)
 
-    def run(state, x, ctx):
-        return nnx.merge(graphdef, state)(checkpoint_name(x, "layer_input"), ctx, None)[0]
+    def run(state, x, consts):
+        ctx, replay = consts
+        out, _, aux = nnx.merge(graphdef, state)(checkpoint_name(x, "layer_input"), ctx, None, replay)
+        return (out, {k: aux[k] for k in collect}) if collect else out
 
-    return recompute_in_backward(run, state, x, ctx)
+    out = recompute_in_backward(run, state, x, (ctx, replay))
+    return out if collect else (out, {})
 
 
 class PatternBlock(nnx.Module):
@@ -111,43 +118,61 @@ class PatternBlock(nnx.Module):
             ]
         )
 
-    def __call__(self, x, ctx, caches, *, remat_layers: bool = False):
-        """``caches``: (k, v, conv, recurrent) slices of one period (leading axis = layer within the
-        period, per kind) or None.
+    def __call__(self, x, ctx, caches, *, remat_layers: bool = False, replay=None, collect=()):
+        """(output, new caches or None, aux). ``caches``: (k, v, conv, recurrent) slices of one
+        period (leading axis = layer within the period, per kind) or None.
 
         ``remat_layers``: each layer is its own ``jax.checkpoint`` (nothing saved but its input, named
         ``layer_input``), so a backward pass through the period holds one layer's internals at a time.
+        ``replay``: int ``[P, B, T, K]`` expert ids per layer of the period (MoE routing replay).
+        ``collect``: MoE layer outputs to return in ``aux``, each stacked over the period's layers
+        (``"router_stats"``, ``"experts"``).
         """
+        collect = tuple(collect)
+        auxes = []
         if remat_layers and caches is None:
-            for layer in self.layers:
-                x = _checkpointed(layer, x, ctx)
-            return x, None
+            for i, layer in enumerate(self.layers):
+                x, aux = _checkpointed(layer, x, ctx, None if replay is None else replay[i], collect)
+                auxes.append(aux)
+            return x, None, _stack_aux(auxes, collect)
         fi = li = 0
         new_k, new_v, new_conv, new_rec = [], [], [], []
-        for kind, layer in zip(self.pattern, self.layers):
+        for i, (kind, layer) in enumerate(zip(self.pattern, self.layers)):
+            rp = None if replay is None else replay[i]
             if kind == FULL:
                 lc = None if caches is None else (caches[0][fi], caches[1][fi])
-                x, nc = layer(x, ctx, lc)
+                x, nc, aux = layer(x, ctx, lc, rp)
                 if nc is not None:
                     new_k.append(nc[0])
                     new_v.append(nc[1])
                 fi += 1
             else:
                 lc = None if caches is None else (caches[2][li], caches[3][li])
-                x, nc = layer(x, ctx, lc)
+                x, nc, aux = layer(x, ctx, lc, rp)
                 if nc is not None:
                     new_conv.append(nc[0])
                     new_rec.append(nc[1])
                 li += 1
+            auxes.append({k: aux[k] for k in collect})
+        aux = _stack_aux(auxes, collect)
         if caches is None:
-            return x, None
+            return x, None, aux
 
         def stack(items, like):
             return jnp.stack(items) if items else like
 
-        return x, (
-            stack(new_k, caches[0]),
-            stack(new_v, caches[1]),
-            stack(new_conv, caches[2]),
-            stack(new_rec, caches[3]),
+        return (
+            x,
+            (
+                stack(new_k, caches[0]),
+                stack(new_v, caches[1]),
+                stack(new_conv, caches[2]),
+                stack(new_rec, caches[3]),
+            ),
+            aux,
         )
+
+
+def _stack_aux(auxes, collect):
+    """Per-layer aux dicts -> one dict of arrays stacked over the period's layers."""
+    return {k: jax.tree.map(lambda *a: jnp.stack(a), *(a[k] for a in auxes)) for k in collect}

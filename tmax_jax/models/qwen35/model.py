@@ -14,7 +14,7 @@ from tmax_jax.errors import ConfigError
 from tmax_jax.models.qwen35.block import PatternBlock, recompute_in_backward
 from tmax_jax.models.qwen35.cache import Qwen35Cache
 from tmax_jax.models.qwen35.config import Qwen35Config
-from tmax_jax.models.qwen35.moe import RouterStats
+from tmax_jax.models.qwen35.moe import RouterStats  # noqa: F401  (router_aux_loss's argument)
 from tmax_jax.models.qwen35.norms import norm_init_value, rms_norm
 from tmax_jax.models.qwen35.params import constant, make_param, normal
 from tmax_jax.models.qwen35.rope import rope_cos_sin
@@ -97,15 +97,24 @@ class Qwen35ForCausalLM(nnx.Module):
         segment_ids=None,
         cache: Qwen35Cache | None = None,
         router_stats: bool = False,
+        routing: jax.Array | None = None,
+        return_routing: bool = False,
     ):
-        """Final-norm hidden states ``[B, T, D]`` (and the new cache when given one).
+        """Final-norm hidden states ``[B, T, D]``, then, each only when asked for: the new cache
+        (given one), a ``RouterStats``, the expert ids used (a tuple when more than one).
 
-        ``router_stats`` (MoE models, no cache): also return a ``RouterStats`` of ``[layers, E]``
-        per-expert sums over the valid tokens (load metrics; ``router_aux_loss``).
+        MoE models only: ``router_stats`` returns ``[layers, E]`` per-expert sums over the valid tokens
+        (load metrics; ``router_aux_loss``). ``routing`` (routing replay): int ``[layers, B, T, K]``
+        expert ids each MoE layer uses instead of its router's top-k, for every token whose first id
+        is >= 0 (-1: route as usual); the gate weights are still the router's probabilities at those
+        ids. ``return_routing`` returns the ids used, int32 ``[layers, B, T, K]`` (what the engine
+        records for replay).
         """
         cfg = self.config
         if router_stats and (cache is not None or not cfg.is_moe):
             raise ValueError("router_stats needs a MoE config (num_experts > 0) and no cache")
+        if (routing is not None or return_routing) and not cfg.is_moe:
+            raise ValueError("routing / return_routing need a MoE config (num_experts > 0)")
         input_ids = jnp.asarray(input_ids)
         if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
             raise ValueError(
@@ -119,6 +128,16 @@ class Qwen35ForCausalLM(nnx.Module):
             raise ValueError(f"segment_ids shape {segment_ids.shape} != input_ids shape {(B, T)}")
         if cache is not None and cache.batch_size != B:
             raise ValueError(f"cache batch size {cache.batch_size} != input batch size {B}")
+        G, P = cfg.num_groups, len(cfg.layer_pattern)
+        if routing is not None:
+            want = (cfg.num_hidden_layers, B, T, cfg.num_experts_per_tok)
+            routing = jnp.asarray(routing)
+            if routing.shape != want or not jnp.issubdtype(routing.dtype, jnp.integer):
+                raise ValueError(
+                    f"routing must be an integer array [layers, B, T, top_k] = {list(want)}, "
+                    f"got {routing.dtype}{list(routing.shape)}"
+                )
+            routing = routing.reshape(G, P, *want[1:])  # layer g * P + p -> [g, p]
 
         if cache is None:
             default_pos, groups = packed_positions_and_groups(segment_ids)
@@ -134,6 +153,7 @@ class Qwen35ForCausalLM(nnx.Module):
         x_BxTxD = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
         ctx = dict(cos=cos, sin=sin, segment_ids=segment_ids, groups=groups, lengths=lengths)
+        collect = (("router_stats",) if router_stats else ()) + (("experts",) if return_routing else ())
 
         graphdef, block_state = nnx.split(self.blocks)
 
@@ -143,25 +163,29 @@ class Qwen35ForCausalLM(nnx.Module):
         remat_layers = self.remat == "full"
 
         def period(x, xs):
-            state, caches = xs
+            state, caches, replay = xs
             block = nnx.merge(graphdef, state)
-            return block(x, ctx, caches, remat_layers=remat_layers)
+            x, new, aux = block(x, ctx, caches, remat_layers=remat_layers, replay=replay, collect=collect)
+            return x, (new, aux)
 
         policy = _REMAT_POLICIES[self.remat]
         if remat_layers and cache is None:
 
-            def run(state, x, ctx):
-                return nnx.merge(graphdef, state)(x, ctx, None, remat_layers=True)[0]
+            def run(state, x, consts):
+                ctx, replay = consts
+                block = nnx.merge(graphdef, state)
+                x, _, aux = block(x, ctx, None, remat_layers=True, replay=replay, collect=collect)
+                return (x, aux) if collect else x
 
-            period = lambda x, xs: (recompute_in_backward(run, xs[0], x, ctx), None)  # noqa: E731
+            def period(x, xs):
+                out = recompute_in_backward(run, xs[0], x, (ctx, xs[2]))
+                return (out[0], (None, out[1])) if collect else (out, (None, {}))
+
         elif self.remat != "none":
             period = jax.checkpoint(period, policy=policy, prevent_cse=False)
 
-        G = cfg.num_groups
-        if router_stats:
-            return self._hidden_with_router_stats(x_BxTxD, ctx, graphdef, block_state)
         if cache is None:
-            x_BxTxD, _ = jax.lax.scan(lambda x, s: (period(x, (s, None))[0], None), x_BxTxD, block_state)
+            x_BxTxD, (_, aux) = jax.lax.scan(period, x_BxTxD, (block_state, None, routing))
             new_cache = None
         else:
 
@@ -169,7 +193,7 @@ class Qwen35ForCausalLM(nnx.Module):
                 return a.reshape(G, a.shape[0] // G, *a.shape[1:])
 
             caches = tuple(per_period(a) for a in (cache.k, cache.v, cache.conv, cache.recurrent))
-            x_BxTxD, new = jax.lax.scan(period, x_BxTxD, (block_state, caches))
+            x_BxTxD, (new, aux) = jax.lax.scan(period, x_BxTxD, (block_state, caches, routing))
             k, v, conv, rec = (a.reshape(-1, *a.shape[2:]) for a in new)
             n_new = (segment_ids > 0).sum(-1).astype(cache.lengths.dtype)
             new_cache = Qwen35Cache(lengths=cache.lengths + n_new, k=k, v=v, conv=conv, recurrent=rec)
@@ -177,26 +201,11 @@ class Qwen35ForCausalLM(nnx.Module):
         hidden_BxTxD = rms_norm(
             x_BxTxD, self.norm[...], cfg.rms_norm_eps, zero_centred=cfg.zero_centred_norms
         )
-        return hidden_BxTxD if cache is None else (hidden_BxTxD, new_cache)
-
-    def _hidden_with_router_stats(self, x_BxTxD, ctx, graphdef, block_state):
-        """The no-cache forward collecting each MoE layer's router sums as scan outputs. With remat,
-        each period is one ``jax.checkpoint`` saving nothing (remat="full"'s per-layer checkpoints
-        return hidden states only)."""
-
-        def period(x, state):
-            sink: list[RouterStats] = []
-            x, _ = nnx.merge(graphdef, state)(x, {**ctx, "router_stats": sink}, None)
-            return x, jax.tree.map(lambda *a: jnp.stack(a), *sink)
-
-        if self.remat != "none":
-            policy = _REMAT_POLICIES[self.remat] or jax.checkpoint_policies.nothing_saveable
-            period = jax.checkpoint(period, policy=policy, prevent_cse=False)
-        x_BxTxD, stats = jax.lax.scan(period, x_BxTxD, block_state)
         # [periods, layers per period, ...] -> [layers, ...] in model order (layer = g * P + p).
-        stats = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), stats)
-        cfg = self.config
-        return rms_norm(x_BxTxD, self.norm[...], cfg.rms_norm_eps, zero_centred=cfg.zero_centred_norms), stats
+        aux = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), aux)
+        out = [hidden_BxTxD] + ([] if cache is None else [new_cache])
+        out += [aux[k] for k in collect]
+        return out[0] if len(out) == 1 else tuple(out)
 
     def router_aux_loss(self, stats: RouterStats) -> jax.Array:
         """``router_aux_loss_coef`` times the load-balancing loss of ``stats`` (transformers'

@@ -39,14 +39,19 @@ class RouterStats:
         return self.tokens / jnp.maximum(self.tokens.sum(-1, keepdims=True), 1.0)
 
     def metrics(self, prefix: str = "router/") -> dict[str, jax.Array]:
-        """Scalar load metrics over layers: the busiest and idlest expert's share times E (1.0 when
-        balanced), and the fraction of (layer, expert) pairs that got no token."""
+        """Scalar load metrics, each the mean over layers of a per-layer value: the busiest and the
+        idlest expert's share times E (1.0 when balanced), the share's entropy over log E (1.0 when
+        balanced, 0 when one expert takes everything), the fraction of experts that got no token,
+        and the load-balancing loss (unscaled; top_k at uniform routing)."""
         E = self.tokens.shape[-1]
         load = self.load().reshape(-1, E)
+        entropy = -jnp.sum(jnp.where(load > 0, load * jnp.log(jnp.maximum(load, 1e-30)), 0.0), -1)
         return {
             f"{prefix}max_load": jnp.mean(jnp.max(load, -1)) * E,
             f"{prefix}min_load": jnp.mean(jnp.min(load, -1)) * E,
+            f"{prefix}load_entropy": jnp.mean(entropy) / jnp.log(float(E)),
             f"{prefix}idle_experts": jnp.mean((self.tokens.reshape(-1, E) == 0).astype(f32)),
+            f"{prefix}aux_loss": self.aux_loss(),
         }
 
     def aux_loss(self) -> jax.Array:
@@ -59,10 +64,23 @@ class RouterStats:
         return self.tokens.shape[-1] * jnp.sum((tokens / rows) * (probs / rows))
 
 
-def route(logits_NxE: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(float32 softmax probs ``[N, E]``, top-k weights ``[N, K]`` float32, expert ids ``[N, K]``)."""
+def route(
+    logits_NxE: jax.Array, top_k: int, normalize: bool, replay_NxK: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(float32 softmax probs ``[N, E]``, top-k weights ``[N, K]`` float32, expert ids ``[N, K]``).
+
+    ``replay_NxK`` (routing replay): expert ids to use instead of the router's own top-k, for every
+    token whose first id is >= 0 (others are routed as usual). The weights are still this router's
+    probabilities at those ids (renormalised as configured), so gradients reach the router.
+    """
     probs_NxE = jax.nn.softmax(logits_NxE.astype(f32), axis=-1)
-    weights_NxK, experts_NxK = jax.lax.top_k(probs_NxE, top_k)
+    _, experts_NxK = jax.lax.top_k(probs_NxE, top_k)
+    if replay_NxK is not None:
+        if replay_NxK.shape != experts_NxK.shape:
+            raise ValueError(f"replayed expert ids {replay_NxK.shape} != routed {experts_NxK.shape}")
+        replay_NxK = replay_NxK.astype(experts_NxK.dtype)
+        experts_NxK = jnp.where(replay_NxK[:, :1] >= 0, replay_NxK, experts_NxK)
+    weights_NxK = jnp.take_along_axis(probs_NxE, experts_NxK, axis=-1)
     if normalize:
         weights_NxK = weights_NxK / jnp.sum(weights_NxK, axis=-1, keepdims=True)
     return probs_NxE, weights_NxK, experts_NxK
@@ -112,13 +130,16 @@ class SparseMoeBlock(nnx.Module):
             self.shared_expert_gate = make_param(rngs, init, (D,), ("embed",), param_dtype, stack)
 
     def __call__(
-        self, x_BxTxD: jax.Array, valid_BxT: jax.Array | None = None
-    ) -> tuple[jax.Array, RouterStats]:
+        self, x_BxTxD: jax.Array, valid_BxT: jax.Array | None = None, replay_BxTxK: jax.Array | None = None
+    ) -> tuple[jax.Array, RouterStats, jax.Array]:
+        """(output ``[B, T, D]``, router sums over the valid tokens, the expert ids used ``[B, T, K]``
+        int32). ``replay_BxTxK``: routing replay (see ``route``)."""
         dt = self.dtype
         B, T, D = x_BxTxD.shape
         x_NxD = x_BxTxD.reshape(B * T, D)
         logits_NxE = jnp.einsum("nd,de->ne", x_NxD, self.router[...].astype(dt))
-        probs_NxE, weights_NxK, experts_NxK = route(logits_NxE, self.top_k, self.normalize)
+        replay_NxK = None if replay_BxTxK is None else replay_BxTxK.reshape(B * T, -1)
+        probs_NxE, weights_NxK, experts_NxK = route(logits_NxE, self.top_k, self.normalize, replay_NxK)
         # transformers rounds the renormalised weights to the activations' dtype before use.
         weights_NxK = weights_NxK.astype(dt)
         y_NxD = grouped_experts(
@@ -141,4 +162,4 @@ class SparseMoeBlock(nnx.Module):
             probs=jnp.einsum("ne,n->e", probs_NxE, valid_N),
             count=jnp.sum(valid_N),
         )
-        return y_BxTxD, stats
+        return y_BxTxD, stats, experts_NxK.reshape(B, T, self.top_k).astype(jnp.int32)
