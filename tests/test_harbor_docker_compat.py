@@ -489,3 +489,39 @@ def test_run_task_and_train_list_network_tasks_as_unavailable(task_set, tmp_path
     names = {t.path.name for t in train + held}
     assert names == {"env-path", "heredoc", "user-build", "add-archive"}
     assert "skipping unavailable task" in capsys.readouterr().err
+
+
+@pytest.mark.podman
+def test_podman_uses_a_local_docker_image_without_building(tmp_path):
+    """``[environment] docker_image`` on podman, offline: a local image of that name is run as is
+    (the task's Dockerfile, which would fail to build, is not built)."""
+    import subprocess
+    import uuid
+
+    from tmax_jax.sandbox.podman_images import ensure_base_image, podman_available
+
+    ok, why = podman_available()
+    if not ok:
+        pytest.skip(why)
+    cfg = SandboxConfig(backend="podman", cache_dir=str(tmp_path / "cache"))
+    name = f"localhost/tmax-test-prebuilt:{uuid.uuid4().hex[:8]}"
+    subprocess.run(["podman", "tag", ensure_base_image(SandboxConfig(backend="podman")), name], check=True)
+    try:
+        d = write_harbor_task(
+            tmp_path,
+            "prebuilt",
+            "dockerfile",
+            "Create /app/done.",
+            "FROM ubuntu:24.04\nRUN exit 1\n",
+            "[ -e /app/done ]",
+            {"solve.sh": "mkdir -p /app && touch /app/done\n"},
+        )
+        (d / "task.toml").write_text(
+            (d / "task.toml").read_text() + f'docker_image = "{name}"\n'
+        )  # in [environment]
+        task = load_task(d)
+        assert task.environment.image == name
+        good, bad = run_task(task, "oracle", cfg), run_task(task, None, cfg)
+        assert (good.reward, bad.reward) == (1.0, 0.0), (good.reason, good.verifier_log[-500:])
+    finally:
+        subprocess.run(["podman", "rmi", name], capture_output=True)

@@ -204,6 +204,29 @@ def _import_base(
     return new
 
 
+def prebuilt_image(cfg: SandboxConfig, name: str, timeout_s: float = 900.0) -> PodmanImage | None:
+    """A task's prebuilt image (``[environment] docker_image``): the local image of that name, used
+    without pulling; else, with ``cfg.network``, pulled; else None (build the Dockerfile instead).
+    Its WORKDIR and USER come from the image's own config."""
+    name = name.removeprefix("docker://")
+    if not image_exists(name):
+        if not cfg.network:
+            return None
+        r = _podman(["pull", "-q", name], timeout=timeout_s)
+        if r.returncode != 0:
+            raise SandboxError(
+                f"podman pull {name} failed: {r.stderr.decode(errors='replace').strip()[-500:]}"
+            )
+    r = _podman(
+        ["image", "inspect", "--format", "{{.Config.WorkingDir}}\n{{.Config.User}}", name], timeout=60
+    )
+    if r.returncode != 0:
+        raise SandboxError(f"podman image inspect {name} failed: {r.stderr.decode(errors='replace')[-300:]}")
+    workdir, _, user = r.stdout.decode(errors="replace").rstrip("\n").partition("\n")
+    user = user.strip()
+    return PodmanImage(name, workdir.strip() or None, user if user not in ("", "root", "0", "0:0") else None)
+
+
 def map_base(cfg: SandboxConfig, name: str) -> str:
     name = name.removeprefix("docker://")
     if rootfs_mod.is_known_base(name) or name in ("host", "scratch"):

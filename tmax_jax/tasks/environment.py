@@ -115,7 +115,14 @@ def prepare_image(task: Task, cfg: SandboxConfig, log=None):
             return BwrapImage(rootfs=rootfs_for_base(cfg, recipe.base), user=user)
         return dataclasses.replace(build_layer(cfg, recipe, timeout_s=timeout, log=log), user=user)
     if cfg.backend == "podman":
-        from tmax_jax.sandbox.podman_images import build_image
+        from tmax_jax.sandbox.podman_images import build_image, prebuilt_image
+
+        if task.environment.image and task.environment.kind == "dockerfile":
+            # task.toml's docker_image (Terminal-Bench ships one per task): local, or pulled when
+            # the run has the network; else the Dockerfile is built.
+            img = prebuilt_image(cfg, task.environment.image)
+            if img is not None:
+                return img
 
         dockerfile = task.environment.path if task.environment.kind == "dockerfile" else None
         return build_image(cfg, recipe, dockerfile=dockerfile, timeout_s=timeout)

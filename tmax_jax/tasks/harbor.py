@@ -136,7 +136,9 @@ def load_harbor(path: Path) -> Task:
     if image is not None and not isinstance(image, str):
         raise TaskFormatError(f"{w}: environment.docker_image must be a string")
     if dockerfile.is_file():
-        spec = EnvironmentSpec(kind="dockerfile", path=dockerfile)
+        # docker_image kept beside the Dockerfile: podman runs that prebuilt image when it is
+        # local or can be pulled (tasks/environment.py), else builds the Dockerfile.
+        spec = EnvironmentSpec(kind="dockerfile", path=dockerfile, image=image or None)
     elif image:
         spec = EnvironmentSpec(kind="image", image=image)
     elif (path / "environment" / "docker-compose.yaml").is_file():
