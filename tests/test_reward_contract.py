@@ -268,13 +268,13 @@ def test_non_finite_message_without_names_and_name_count_checked():
 
 
 def test_trainer_step_refuses_a_non_finite_reward_naming_the_task():
-    # The trainer's own advantage step (Trainer._train_on), on real trajectories and config; only the
-    # Trainer object is stood in for, since building one builds a whole run (model, engine, tasks).
+    # The learner's own advantage step (Learner.train_on), on real trajectories and config; only the
+    # Learner object is stood in for, since building one builds a whole run (model, engine, tasks).
     from types import SimpleNamespace
 
     from tmax_jax.agent.trajectory import Trajectory
     from tmax_jax.train.config import TrainConfig
-    from tmax_jax.train.loop import Trainer
+    from tmax_jax.train.learner import Learner
     from tmax_jax.train.queue import Group, RolloutBatch
 
     cfg = dataclasses.replace(TrainConfig(), save_trajectories=False)
@@ -282,8 +282,8 @@ def test_trainer_step_refuses_a_non_finite_reward_naming_the_task():
     trajs = [Trajectory("csv-sum", 3, reward=r) for r in (0.0, math.inf)]
     batch = RolloutBatch(index=0, groups=[Group("csv-sum", trajs)])
     with pytest.raises(NonFiniteAdvantageError, match=r"trajectory 1 \(task 'csv-sum'\) of group 3: inf"):
-        Trainer._train_on(trainer, batch, 0)
+        Learner.train_on(trainer, batch, 0)
     for t in trajs:
         t.reward = 1.0  # a flat group: no update, and no error
-    metrics = Trainer._train_on(trainer, batch, 0)
+    metrics = Learner.train_on(trainer, batch, 0)
     assert metrics["skipped_update"] == 1 and metrics["adv/groups_dropped"] == 1.0

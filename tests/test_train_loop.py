@@ -36,6 +36,10 @@ def test_train_killed_and_resumed(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert not (run_dir / "summary.json").exists()
+    # Trajectory files are appended to: what the killed run wrote is not the resumed run's.
+    lines_before_resume = {
+        p.name: len(p.read_text().splitlines()) for p in (run_dir / "trajectories").glob("*.jsonl")
+    }
 
     done = subprocess.run(
         train_cmd(run_dir), cwd=root, env=train_env(), capture_output=True, text=True, timeout=900
@@ -45,6 +49,19 @@ def test_train_killed_and_resumed(tmp_path):
     assert "resumed from checkpoint step" in out
     resumed_at = int(out.split("resumed from checkpoint step ")[1].split()[0])
     assert resumed_at >= 1
+    # Resume at the right policy version: the resumed run's first batch was sampled by an engine that
+    # carries the restored version (not 0), so every one of its policy tokens records exactly it.
+    first_file = f"step_{resumed_at + 1:06d}.jsonl"
+    first_batch = (run_dir / "trajectories" / first_file).read_text().splitlines()
+    first_batch = first_batch[lines_before_resume.get(first_file, 0) :]
+    assert first_batch
+    versions = {
+        v
+        for line in first_batch
+        for v, m in zip(json.loads(line)["policy_versions"], json.loads(line)["response_mask"])
+        if m
+    }
+    assert versions == {resumed_at}, versions
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]  # no step lost or repeated across the kill

@@ -7,12 +7,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from tmax_jax.engine.engine import Engine, _next_pow2
 from tmax_jax.engine.orchestrator import Completion, Orchestrator, Request
-from tmax_jax.engine.sampling import SamplingParams
+from tmax_jax.engine.sampling import SamplingParams, derive_seed
 from tmax_jax.errors import ConfigError
 
 # One engine per (model, shape) so repeated calls reuse compiled steps; weights are re-read each call.
@@ -27,11 +26,6 @@ def model_eos_ids(model: Any) -> tuple[int, ...]:
         if eos is not None:
             return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
     return ()
-
-
-def request_seed(seed: int, index: int) -> int:
-    """A distinct 31-bit seed for prompt ``index`` of a call with ``seed``."""
-    return int(np.random.SeedSequence([seed & 0xFFFFFFFF, index]).generate_state(1)[0] >> 1)
 
 
 def _engine_for(model: Any, slots: int, max_len: int, max_prefill: int, cache_dtype: Any) -> Engine:
@@ -92,7 +86,7 @@ def generate(
             prompt=p,
             max_tokens=max_new_tokens,
             sampling=SamplingParams(
-                temperature=temperature, top_k=top_k, top_p=top_p, seed=request_seed(seed, i)
+                temperature=temperature, top_k=top_k, top_p=top_p, seed=derive_seed(seed, i)
             ),
             stop_token_ids=eos,
         )

@@ -7,11 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from tmax_jax.engine.engine import _next_pow2
 from tmax_jax.errors import ConfigError
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n - 1).bit_length())
 
 
 class JetStreamTokenizer:

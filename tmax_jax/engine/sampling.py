@@ -13,6 +13,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tmax_jax.errors import ConfigError
 from tmax_jax.rl.logprobs import GREEDY_EPS, logprob_at, logprobs_from_logits, sampling_logits, truncate
@@ -20,6 +21,7 @@ from tmax_jax.rl.logprobs import GREEDY_EPS, logprob_at, logprobs_from_logits, s
 __all__ = [
     "GREEDY_EPS",
     "SamplingParams",
+    "derive_seed",
     "filter_logits",
     "request_key",
     "sample",
@@ -90,6 +92,12 @@ def sample(
     drawn_S = jax.lax.cond(jnp.all(greedy_S), lambda x: jnp.zeros(x.shape[:1], jnp.int32), draw, kept_SxV)
     tokens_S = jnp.where(greedy_S, jnp.argmax(logits_SxV, axis=-1), drawn_S).astype(jnp.int32)
     return tokens_S, logprob_at(kept_SxV, tokens_S)
+
+
+def derive_seed(seed: int, *keys: int) -> int:
+    """A distinct 31-bit sampling seed for ``keys`` under ``seed`` (a request's index in a call; a
+    run's step, prompt and sample), stable across processes and resumes."""
+    return int(np.random.SeedSequence([seed & 0xFFFFFFFF, *keys]).generate_state(1)[0] >> 1)
 
 
 def step_keys(base_keys_S: jax.Array, step_S: jax.Array) -> jax.Array:

@@ -18,9 +18,8 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from tmax_jax.engine.api import request_seed
 from tmax_jax.engine.orchestrator import EngineBusy, Orchestrator, Request, RequestHandle
-from tmax_jax.engine.sampling import SamplingParams
+from tmax_jax.engine.sampling import SamplingParams, derive_seed
 from tmax_jax.errors import ConfigError
 
 MAX_BODY_BYTES = 16 << 20
@@ -115,7 +114,7 @@ class OpenAIServer:
             seed = int.from_bytes(os.urandom(4), "little") >> 1
         try:
             return SamplingParams(
-                temperature=temperature, top_k=top_k, top_p=top_p, seed=request_seed(seed, index)
+                temperature=temperature, top_k=top_k, top_p=top_p, seed=derive_seed(seed, index)
             )
         except ConfigError as e:
             raise BadRequest(str(e)) from None

@@ -11,9 +11,8 @@ import uuid
 from collections.abc import Sequence
 
 from tmax_jax.agent.episode import Generation
-from tmax_jax.engine.api import request_seed
 from tmax_jax.engine.orchestrator import Orchestrator, Request
-from tmax_jax.engine.sampling import SamplingParams
+from tmax_jax.engine.sampling import SamplingParams, derive_seed
 
 
 class EnginePolicy:
@@ -42,7 +41,7 @@ class EnginePolicy:
             temperature=self.sampling.temperature,
             top_k=self.sampling.top_k,
             top_p=self.sampling.top_p,
-            seed=request_seed(self.sampling.seed, next(self._turns)),
+            seed=derive_seed(self.sampling.seed, next(self._turns)),
         )
         req = Request(
             prompt=list(self.context),

@@ -20,18 +20,13 @@ from tmax_jax.agent.episode import AgentConfig, run_episode
 from tmax_jax.agent.scripted import ScriptedPolicy
 from tmax_jax.agent.trajectory import Trajectory
 from tmax_jax.engine.orchestrator import Orchestrator
-from tmax_jax.engine.sampling import SamplingParams
+from tmax_jax.engine.sampling import SamplingParams, derive_seed
 from tmax_jax.engine.session import EnginePolicy
 from tmax_jax.sandbox.config import SandboxConfig
 from tmax_jax.sandbox.pool import SandboxPool
 from tmax_jax.tasks.model import Task
 from tmax_jax.tasks.runner import run_task
 from tmax_jax.train.queue import Group
-
-
-def episode_seed(run_seed: int, *keys: int) -> int:
-    """A distinct 31-bit sampling seed per (run, step, prompt, sample), stable across resumes."""
-    return int(np.random.SeedSequence([run_seed & 0xFFFFFFFF, *keys]).generate_state(1)[0] >> 1)
 
 
 @dataclasses.dataclass
@@ -82,6 +77,7 @@ class RolloutWorkers:
         workers: int,
         temperature: float,
         top_p: float = 1.0,
+        top_k: int = 0,
         require_submit: bool = False,
     ):
         self.orch = orchestrator
@@ -90,6 +86,7 @@ class RolloutWorkers:
         self.sandbox_cfg = sandbox_cfg
         self.temperature = temperature
         self.top_p = top_p
+        self.top_k = top_k
         self.require_submit = require_submit
         self.pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tmax-episode")
         self.stats = RolloutStats()
@@ -102,13 +99,21 @@ class RolloutWorkers:
             return None
         policy = EnginePolicy(
             self.orch,
-            sampling=SamplingParams(temperature=self.temperature, top_p=self.top_p, seed=seed),
+            sampling=SamplingParams(
+                temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed
+            ),
             stop_token_ids=[self.chat.end_id],
         )
 
         def agent(task: Task, shell) -> Trajectory:
             return run_episode(
-                task.prompt, policy, shell, self.chat, self.agent_cfg, task_id=task.name, group_id=group_id
+                task.instruction,
+                policy,
+                shell,
+                self.chat,
+                self.agent_cfg,
+                task_id=task.name,
+                group_id=group_id,
             )
 
         try:
@@ -130,7 +135,7 @@ class RolloutWorkers:
     ) -> list[Group]:
         """Run ``group_size`` episodes per task concurrently; returns one Group per task."""
         futures = {
-            (t, g): self.pool.submit(self.episode, task, episode_seed(*seed_keys[t], g), group_ids[t])
+            (t, g): self.pool.submit(self.episode, task, derive_seed(*seed_keys[t], g), group_ids[t])
             for t, task in enumerate(tasks)
             for g in range(group_size)
         }
@@ -232,7 +237,7 @@ def demonstrations(
         cfg = dataclasses.replace(demo_cfg, max_turns=max(demo_cfg.max_turns, len(commands) + 1))
         result = run_task(
             task,
-            lambda t, sh: run_episode(t.prompt, policy, sh, chat, cfg, task_id=t.name),
+            lambda t, sh: run_episode(t.instruction, policy, sh, chat, cfg, task_id=t.name),
             sandbox_cfg,
             pool=pool,
         )
