@@ -47,8 +47,56 @@ def test_modes_and_bad_values(monkeypatch):
     launch.set_mode("auto")
 
 
+class LaunchGuard:
+    """Instruments ``jax.jit`` and ``jax.device_put`` (the real functions still run): while
+    ``checking``, each call of a function jitted under it and each ``device_put`` onto more than one
+    device counts as a launch, and one made by a thread not holding the launch queue is a bypass."""
+
+    def __init__(self):
+        self.checking = False
+        self.launches = 0
+        self.bypasses: list[str] = []
+        self._jit, self._put = jax.jit, jax.device_put
+
+    def _note(self, what: str) -> None:
+        if self.checking:
+            self.launches += 1
+            if not launch.held():
+                self.bypasses.append(what)
+
+    def jit(self, fn, *args, **kwargs):
+        guard, jitted, name = self, self._jit(fn, *args, **kwargs), getattr(fn, "__name__", repr(fn))
+
+        class Guarded:
+            def __call__(self, *a, **k):
+                guard._note(name)
+                return jitted(*a, **k)
+
+            def __getattr__(self, attr):
+                return getattr(jitted, attr)
+
+        return Guarded()
+
+    def device_put(self, x, device=None, *args, **kwargs):
+        is_sharding = lambda s: isinstance(s, jax.sharding.Sharding)  # noqa: E731
+        if any(
+            is_sharding(s) and len(s.device_set) > 1 for s in jax.tree.leaves(device, is_leaf=is_sharding)
+        ):
+            self._note("device_put")
+        return self._put(x, device, *args, **kwargs)
+
+
 @pytest.fixture(scope="module")
-def sharded_engine(tmp_path_factory):
+def launch_guard():
+    guard = LaunchGuard()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jax, "jit", guard.jit)
+        mp.setattr(jax, "device_put", guard.device_put)
+        yield guard
+
+
+@pytest.fixture(scope="module")
+def sharded_engine(tmp_path_factory, launch_guard):
     model = load_hf(make_tiny_hf_checkpoint(tmp_path_factory.mktemp("launch"), seed=11))
     state = nnx.state(model)
     nnx.update(model, shard_tree(state, param_shardings(state, make_mesh(MESH))))
@@ -56,7 +104,7 @@ def sharded_engine(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def train_step():
+def train_step(launch_guard):
     return TrainStep(make_model(tiny_cfg(), remat="none", seed=0), RL, make_mesh(MESH), MESH)
 
 
@@ -114,6 +162,36 @@ def test_every_launch_waits_for_the_lock(serial_on, sharded_engine, train_step):
     with launch._lock:
         run("generate", lambda: engine.generate(params, decode))
     assert "generate" in results
+
+
+def test_no_launch_bypasses_the_queue(serial_on, launch_guard, sharded_engine, train_step):
+    """Every multi-device program the engine, the train step and the reshards launch goes through
+    the one launch queue; a launch made around it is caught."""
+    engine = sharded_engine
+    params = engine.load_params()
+    prompt = np.zeros((16,), np.int32)
+    prompt[:4] = [2, 7, 1, 8]
+    replicas = ProcessReplicas(params, MESH)
+    fsdp8 = param_shardings(params, make_mesh(MeshConfig(fsdp=8)))
+    state = jax.block_until_ready(train_step.init_state(_fresh_params()))
+    launch_guard.checking, launch_guard.launches, launch_guard.bypasses = True, 0, []
+    try:
+        prefix, _ = engine.prefill(params=params, padded_tokens=prompt, true_length=4)
+        decode = engine.insert(prefix, engine.init_decode_state(), 0)
+        decode, _ = engine.generate(params, decode)
+        decode, _ = engine.generate_block(params, decode)
+        state, _ = train_step(state, train_step.put_batch(on_policy_batch(seed=1)))
+        jax.block_until_ready((replicas(params), shard_tree(params, fsdp8), state, decode))
+    finally:
+        launch_guard.checking = False
+    assert launch_guard.bypasses == [] and launch_guard.launches >= 6, launch_guard.__dict__
+    # A program launched around the queue (the engine's generate, unwrapped) is a bypass.
+    launch_guard.checking = True
+    try:
+        jax.block_until_ready(engine._generate_jit.__wrapped__(params, decode))
+    finally:
+        launch_guard.checking = False
+    assert launch_guard.bypasses == ["_generate_impl"]
 
 
 def test_generation_during_training_matches_sequential(serial_on, sharded_engine, train_step):

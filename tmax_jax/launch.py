@@ -18,6 +18,11 @@ Modes, from ``TMAX_SERIAL_LAUNCH`` or :func:`set_mode`:
 
 The first call of a jitted function compiles it while holding the lock; other threads' launches wait
 for that compile (once per shape).
+
+The lock is the process's one launch queue: a multi-device program is made with :func:`jit` (or
+called inside :func:`serial_launch`, e.g. a reshard), never launched beside it. ``tests/test_launch.py``
+instruments ``jax.jit`` / ``jax.device_put`` and fails on any multi-device launch of the engine, the
+train step or a reshard made while this thread does not hold the queue (:func:`held`).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ _mode: str | None = None  # None: read ENV_VAR on first use
 _auto: bool | None = None
 _launches = 0
 _wait_s = 0.0
+_holding = threading.local()  # this thread's serial_launch() depth
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -91,7 +97,16 @@ def serial_launch() -> Iterator[None]:
         with _state_lock:
             _launches += 1
             _wait_s += waited
-        yield
+        _holding.depth = getattr(_holding, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            _holding.depth -= 1
+
+
+def held() -> bool:
+    """Whether this thread holds the launch queue now (always False while serialisation is off)."""
+    return getattr(_holding, "depth", 0) > 0
 
 
 def serialized(fn: F) -> F:
@@ -103,6 +118,13 @@ def serialized(fn: F) -> F:
             return fn(*args, **kwargs)
 
     return call  # type: ignore[return-value]
+
+
+def jit(fn: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
+    """``jax.jit(fn, **jit_kwargs)`` whose every call launches through the queue."""
+    import jax
+
+    return serialized(jax.jit(fn, **jit_kwargs))
 
 
 def stats(reset: bool = False) -> dict[str, float]:
