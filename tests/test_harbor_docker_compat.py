@@ -219,6 +219,17 @@ def task_set(tmp_path_factory) -> Path:
         '&& [ ! -e /tmp/tmax-stage ] && [ -z "$BUILD_MODE" ] && [ -x /app/bin/env-from-base ]',
         {"solve.sh": '[ -z "$BUILD_MODE" ] && cat /app/dist/artifact.txt > /app/result.txt\n'},
     )
+    # `python3 -m` from the app dir finds the app's package, as under Docker (no PYTHONSAFEPATH).
+    write_harbor_task(
+        root,
+        "python-m-cwd",
+        "dockerfile",
+        "Write calc/core.py with add(a, b).",
+        "FROM ubuntu:24.04\nWORKDIR /app\nRUN mkdir -p calc && touch calc/__init__.py && "
+        "printf 'from calc.core import add\\nprint(add(2, 3))\\n' > calc/__main__.py\n",
+        '[ "$(cd /app && python3 -m calc 2>/dev/null)" = 5 ]',
+        {"solve.sh": "printf 'def add(a, b):\\n    return a + b\\n' > /app/calc/core.py\n"},
+    )
     # A malformed task dir (task.toml is not TOML): listed as invalid, the others run.
     d = write_harbor_task(
         root, "broken-toml", "dockerfile", "x", "FROM ubuntu:24.04\n", "true", {"solve.sh": "true\n"}
@@ -234,6 +245,7 @@ SCORED = (
     "final-user",
     "heredoc",
     "multi-stage",
+    "python-m-cwd",
     "user-build",
     "verifier-files",
 )

@@ -38,7 +38,6 @@ VERIFIER_ENV = {
     "LANG": "C.UTF-8",
     "TERM": "dumb",
     "USER": "root",
-    "PYTHONSAFEPATH": "1",
     "PYTHONNOUSERSITE": "1",
     "PYTHONDONTWRITEBYTECODE": "1",
 }

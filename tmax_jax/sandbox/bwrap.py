@@ -538,13 +538,19 @@ class BwrapSandbox(Sandbox):
                 + self._verifier_tree(tests, logs)
                 + self._command(self.verifier_environment(env), "/tests", list(argv))
             )
+            shadow = podman_toolchain.shadow_scan(self.state)
+            if shadow:
+                return VerifierRun(ExecResult("", f"verifier not run: {shadow}\n", 1), {}, shadow)
             if not self.overlays:
                 got = run_capped(
                     host_argv, timeout=timeout, cap=self.cfg.max_output_bytes, env={"PATH": BASE_PATH}
                 )
                 self.exec_durations.append(got.duration_s)
+                # A shadowing module planted while the verifier ran (by a process the agent left).
                 return VerifierRun(
-                    exec_result(got, self.cfg.max_output_bytes), read_verifier_logs(logs / "verifier")
+                    exec_result(got, self.cfg.max_output_bytes),
+                    read_verifier_logs(logs / "verifier"),
+                    podman_toolchain.shadow_scan(self.state),
                 )
             # The verifier sees the agent's copy-on-write base, as under Docker: its toolchain is
             # checked in the agent's upper dirs before, during and after (``podman_toolchain``).
@@ -562,7 +568,12 @@ class BwrapSandbox(Sandbox):
                     result = exec_result(got, self.cfg.max_output_bytes)
             finally:
                 during = watch.stop()
-            tampered = before or during or podman_toolchain.scan(self._upper, lowers)
+            tampered = (
+                before
+                or during
+                or podman_toolchain.scan(self._upper, lowers)
+                or podman_toolchain.shadow_scan(self.state)
+            )
             return VerifierRun(result, {} if before else read_verifier_logs(logs / "verifier"), tampered)
         finally:
             if cg is not None:

@@ -356,7 +356,7 @@ class PodmanSandbox(Sandbox):
         try:
             watch = podman_toolchain.Watch(upper).start()
             try:
-                before = podman_toolchain.scan(upper, lowers)
+                before = podman_toolchain.scan(upper, lowers) or podman_toolchain.shadow_scan(upper)
                 result = (
                     ExecResult("", f"verifier not run: {before}\n", 1)
                     if before
@@ -364,7 +364,12 @@ class PodmanSandbox(Sandbox):
                 )
             finally:
                 during = watch.stop()
-            tampered = before or during or podman_toolchain.scan(upper, lowers)
+            tampered = (
+                before
+                or during
+                or podman_toolchain.scan(upper, lowers)
+                or podman_toolchain.shadow_scan(upper)
+            )
             return VerifierRun(result, {} if before else read_verifier_logs(logs, VERIFY_LOG_CAP), tampered)
         finally:
             shutil.rmtree(vdir, ignore_errors=True)

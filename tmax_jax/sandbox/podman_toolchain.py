@@ -414,3 +414,74 @@ class Watch:
 def lower_dirs(lower_dir_field: str) -> list[str]:
     """podman's ``GraphDriver.Data.LowerDir`` (colon-separated) as a list of existing dirs."""
     return [p for p in lower_dir_field.split(":") if p and Path(p).is_dir()]
+
+
+# ---- modules that would shadow pytest from a working directory --------------------------------
+# A verifier's Python puts its working directory (``python3 -m``) or its script's directory first on
+# sys.path, as under Docker (tests run ``python3 -m reconciler`` from /app). What the agent left
+# there must then not stand in for pytest or the interpreter's start-up modules.
+_SHADOW_NAMES = frozenset(
+    PROTECTED_MODULES - {"packaging", "pygments", "colorama", "tomli", "exceptiongroup"}
+)
+_SHADOW_SKIP = frozenset({"site-packages", "dist-packages", "node_modules", ".git", "__pycache__"})
+_SHADOW_TOP_SKIP = frozenset(
+    {
+        "usr",
+        "etc",
+        "lib",
+        "lib32",
+        "lib64",
+        "libx32",
+        "bin",
+        "sbin",
+        "proc",
+        "sys",
+        "dev",
+        "tests",
+        "logs",
+        ".tmax",
+    }
+)
+
+
+def shadow_scan(root: str | os.PathLike, max_depth: int = 8, max_entries: int = 200_000) -> str | None:
+    """The first module under ``root`` (the agent's files outside the toolchain dirs) that, found
+    first on a verifier's sys.path, would replace pytest, its plugin machinery or a start-up hook:
+    ``pytest.py``/``pytest.*.so``, a ``pytest/`` package (with ``__init__.py`` or ``__main__.py``;
+    a bare namespace dir never wins over the installed package), ``sitecustomize.py``, ... Virtual
+    environments' site dirs are skipped (only their own interpreter reads them)."""
+    root = str(root)
+    todo = [("", 0)]
+    seen = 0
+    while todo:
+        rel, depth = todo.pop()
+        try:
+            entries = list(os.scandir(os.path.join(root, rel)))
+        except OSError:
+            continue
+        for e in entries:
+            seen += 1
+            if seen > max_entries:
+                return None
+            child = f"{rel}/{e.name}" if rel else e.name
+            stem = _module_stem(e.name)
+            try:
+                is_dir = e.is_dir(follow_symlinks=False)
+            except OSError:
+                continue
+            if is_dir:
+                if (
+                    stem in _SHADOW_NAMES
+                    and "." not in e.name
+                    and any(os.path.lexists(os.path.join(e.path, f)) for f in ("__init__.py", "__main__.py"))
+                ):
+                    return f"/{child} is a package that would shadow {e.name!r} for the verifier's Python"
+                if (
+                    depth < max_depth
+                    and e.name not in _SHADOW_SKIP
+                    and not (depth == 0 and e.name in _SHADOW_TOP_SKIP)
+                ):
+                    todo.append((child, depth + 1))
+            elif stem in _SHADOW_NAMES and e.name.endswith((".py", ".pyc", ".so", ".pth")):
+                return f"/{child} would shadow {stem!r} for the verifier's Python"
+    return None
