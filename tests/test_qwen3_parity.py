@@ -2,7 +2,9 @@
 Qwen 3.5: logits against transformers' Qwen3ForCausalLM on a tiny random config with every weight
 perturbed, the export reloaded by transformers, greedy decoding against transformers' generate."""
 
+import dataclasses
 import json
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -149,6 +151,31 @@ def test_train_step_runs_and_moves_the_loss(untied):
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
 
 
+def test_yarn_rope_scaling_matches_transformers(tmp_path):
+    """YaRN (Qwen3's documented context extension: rope_scaling type "yarn", factor 4 over 32768
+    positions), here over 12 original positions, so the 41-token rows run well past them; the
+    export keeps it and reloads in transformers to the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 12}
+    path, hf = make_qwen3(tmp_path, seed=5, rope_parameters=yarn, max_position_embeddings=48)
+    model = load_hf(path, dtype="float32")
+    assert model.config.yarn == (4.0, 12)
+    ids = random_ids(np.random.default_rng(3), 2, 41, 256)
+    ref = hf_logits(hf, ids)
+    ours = np.asarray(forward(model, jnp.asarray(ids)))
+    np.testing.assert_allclose(ours, ref, atol=2e-5, rtol=2e-4)
+    plain = load_hf(path, dtype="float32")  # the same weights without YaRN
+    plain.config = dataclasses.replace(model.config, yarn_factor=0.0, yarn_original_max_position_embeddings=0)
+    assert np.abs(np.asarray(forward(plain, jnp.asarray(ids))) - ref).max() > 1e-3  # ... YaRN matters
+    back = AutoModelForCausalLM.from_pretrained(str(save_hf(model, tmp_path / "export")), dtype=torch.float32)
+    np.testing.assert_allclose(hf_logits(back.eval(), ids), ref, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ConfigError, match="mscale"):
+        Qwen35Config.from_hf_config(
+            {**TINY_QWEN3, "model_type": "qwen3", "rope_parameters": {**yarn, "mscale": 2}}
+        )
+
+
 def test_unsupported_qwen3_configs_are_named():
     base = {**TINY_QWEN3, "model_type": "qwen3"}
     with pytest.raises(ConfigError, match="use_sliding_window"):
@@ -160,3 +187,20 @@ def test_unsupported_qwen3_configs_are_named():
             family="qwen3", num_hidden_layers=4, layer_types=("linear_attention",) * 3 + ("full_attention",)
         )
     assert Qwen35Config.preset("qwen3-8b").num_full_layers == 36
+
+
+def test_yarn_config_needs_a_yarn_checkpoint(tmp_path):
+    """configs/qwen3-8b-8xh200.yaml plans YaRN: train refuses a Qwen3 checkpoint without it, by name."""
+    from tmax_jax.train.config import load_train_config
+    from tmax_jax.train.setup import _check_shape
+
+    yaml_path = Path(__file__).resolve().parents[1] / "configs" / "qwen3-8b-8xh200.yaml"
+    cfg = load_train_config(yaml_path, {"model": {"checkpoint": str(tmp_path)}})
+    assert cfg.model.shape().yarn == (4.0, 32768) and cfg.seq_len <= 4 * 32768
+    hf = Qwen35Config.preset("qwen3-8b").to_hf_config()
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ConfigError, match=r"yarn_factor: 0.0 != 4.0"):
+        _check_shape(cfg, tmp_path)
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 32768}
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "rope_parameters": yarn}))
+    _check_shape(cfg, tmp_path)

@@ -120,6 +120,10 @@ _SHAPE_FIELDS = (
     "num_experts_per_tok",
     "moe_intermediate_size",
     "shared_expert_intermediate_size",
+    # Not shapes, but the positions a run may use: a config planning YaRN (Qwen3 past 40,960 tokens)
+    # needs a checkpoint whose config.json has that rope_scaling.
+    "yarn_factor",
+    "yarn_original_max_position_embeddings",
 )
 
 

@@ -29,10 +29,27 @@ def qwen3_from_hf_config(d: Mapping[str, Any]) -> Qwen35Config:
         raise ConfigError("Qwen3 use_sliding_window=True is not supported (full attention only)")
     if d.get("attention_bias"):
         raise ConfigError("Qwen3 attention_bias=True is not supported")
-    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    rope = dict(d.get("rope_parameters") or {})
+    rope.update(d.get("rope_scaling") or {})  # the older layout keeps theta at the top level
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ConfigError(f"rope_type {rope_type!r} is not supported (only 'default')")
+    if rope_type not in ("default", "yarn"):
+        raise ConfigError(f"rope_type {rope_type!r} is not supported (only 'default' and 'yarn')")
+    yarn = {}
+    if rope_type == "yarn":
+        extra = [k for k in ("attention_factor", "mscale", "mscale_all_dim") if rope.get(k) is not None]
+        extra += [
+            f"{k}={rope[k]}" for k, dflt in (("beta_fast", 32), ("beta_slow", 1)) if rope.get(k, dflt) != dflt
+        ]
+        if rope.get("truncate", True) is not True:
+            extra.append("truncate=False")
+        if extra:
+            raise ConfigError(
+                f"YaRN rope_scaling with {extra} is not supported (factor and the defaults only)"
+            )
+        yarn = dict(
+            yarn_factor=float(rope["factor"]),
+            yarn_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
     layer_types = tuple(d.get("layer_types") or ())
     bad = sorted({t for t in layer_types if t != FULL})
     if bad:
@@ -55,6 +72,7 @@ def qwen3_from_hf_config(d: Mapping[str, Any]) -> Qwen35Config:
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         hidden_act=d.get("hidden_act", "silu"),
         initializer_range=float(d.get("initializer_range", 0.02)),
+        **yarn,
     )
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         v = d.get(key)
@@ -80,7 +98,14 @@ def qwen3_to_hf_config(cfg: Qwen35Config) -> dict[str, Any]:
         "head_dim": cfg.head_dim,
         "layer_types": list(cfg.layer_types),
         "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}
+        if cfg.yarn is None
+        else {
+            "rope_type": "yarn",
+            "rope_theta": cfg.rope_theta,
+            "factor": cfg.yarn_factor,
+            "original_max_position_embeddings": cfg.yarn_original_max_position_embeddings,
+        },
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "attention_bias": False,

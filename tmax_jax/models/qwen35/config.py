@@ -81,6 +81,10 @@ class Qwen35Config:
     # Train-time coefficient of the load-balancing loss (HF field; tmax-jax's RL keeps it off unless
     # the loss asks for it: see Qwen35ForCausalLM.router_aux_loss).
     router_aux_loss_coef: float = 0.001
+    # YaRN context extension (Qwen3: rope_scaling {"rope_type": "yarn", "factor", ...}); factor 0 = off.
+    # Positions up to yarn_factor * yarn_original_max_position_embeddings.
+    yarn_factor: float = 0.0
+    yarn_original_max_position_embeddings: int = 0
 
     def __post_init__(self):
         if not self.layer_types:
@@ -140,6 +144,14 @@ class Qwen35Config:
                 raise ConfigError(
                     f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} must be >= 0"
                 )
+        if self.yarn_factor:
+            if self.yarn_factor <= 1 or self.yarn_original_max_position_embeddings <= 0:
+                raise ConfigError(
+                    f"yarn_factor={self.yarn_factor} must be > 1 with yarn_original_max_position_embeddings "
+                    f"> 0 (got {self.yarn_original_max_position_embeddings})"
+                )
+            if self.family != QWEN3:
+                raise ConfigError("YaRN rope scaling is supported for family='qwen3' only")
         _ = self.layer_pattern  # raises when layer_types is not periodic
 
     # Derived sizes -------------------------------------------------------------------------------
@@ -158,6 +170,11 @@ class Qwen35Config:
     @property
     def conv_dim(self) -> int:
         return 2 * self.lin_key_dim + self.lin_value_dim
+
+    @property
+    def yarn(self) -> tuple[float, int] | None:
+        """(factor, original max positions) when YaRN is on, else None (rope_cos_sin's argument)."""
+        return (self.yarn_factor, self.yarn_original_max_position_embeddings) if self.yarn_factor else None
 
     @property
     def is_moe(self) -> bool:

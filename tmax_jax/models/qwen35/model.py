@@ -151,7 +151,7 @@ class Qwen35ForCausalLM(nnx.Module):
             raise ValueError(f"positions shape {positions.shape} != input_ids shape {(B, T)}")
 
         x_BxTxD = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)
-        cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
+        cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, cfg.yarn)
         ctx = dict(cos=cos, sin=sin, segment_ids=segment_ids, groups=groups, lengths=lengths)
         collect = (("router_stats",) if router_stats else ()) + (("experts",) if return_routing else ())
 
