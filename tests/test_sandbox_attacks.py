@@ -161,6 +161,12 @@ EOF
         sleep 1
     """,
 }
+# Attacks on what only the bwrap backend has: the host's own /usr and /etc as its base (podman's
+# base is an image of its own, and its toolchain swaps are the rename/bind attacks above).
+BWRAP_ONLY = {
+    "read_host_secrets": "podman's base image holds no host files",
+    "overwrite_base_toolchain": "on podman the toolchain swaps above cover the writable root",
+}
 # Tasks whose verifier also fails when the attack leaves a trace of success behind.
 LEAK_MARK = {"leak_env_keyring_ptrace", "fill_shm_and_run", "remount_and_write_host", "read_host_secrets"}
 
@@ -246,6 +252,8 @@ def test_controls_score_one_and_zero(cfg, tmp_path):
 
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
 def test_attack_scores_zero(cfg, tmp_path, attack, canaries, secret):
+    if attack in BWRAP_ONLY and cfg.backend != "bwrap":
+        pytest.skip(BWRAP_ONLY[attack])
     before = {p: p.read_bytes() for p in canaries}
     res = _run(cfg, tmp_path, attack, ATTACKS[attack], leak_check=attack in LEAK_MARK)
     assert res.reward == 0.0, (attack, res.reason, res.verifier_log[-2000:])
