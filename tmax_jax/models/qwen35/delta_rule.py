@@ -96,7 +96,7 @@ def _unit_lower_inverse(strict_lower: jax.Array) -> jax.Array:
     """
     n = strict_lower.shape[-1]
     if n <= _INVERSE_BASE:
-        eye = jnp.eye(n, dtype=strict_lower.dtype)
+        eye = _lead(jnp.eye(n, dtype=strict_lower.dtype), strict_lower.ndim)
         power = -strict_lower
         inv = eye + power
         for _ in range(max(n - 1, 1).bit_length() - 1):
@@ -115,6 +115,11 @@ def _unit_lower_inverse(strict_lower: jax.Array) -> jax.Array:
     return jnp.concatenate([top, jnp.concatenate([x21, x22], axis=-1)], axis=-2)
 
 
+def _lead(x: jax.Array, ndim: int) -> jax.Array:
+    """``x`` with leading 1s up to rank ``ndim`` (explicit broadcasts: strict rank promotion)."""
+    return x.reshape((1,) * (ndim - x.ndim) + x.shape)
+
+
 class ChunkMasks(NamedTuple):
     """Which tokens of a chunk see which state; leading dims ``...`` (e.g. ``[B, 1, M]``)."""
 
@@ -130,7 +135,7 @@ def _chunk_masks(grp: jax.Array, prev_last: jax.Array) -> ChunkMasks:
     last = grp[..., -1]
     causal = jnp.tril(jnp.ones((C, C), bool))
     return ChunkMasks(
-        same=(grp[..., :, None] == grp[..., None, :]) & causal,
+        same=(grp[..., :, None] == grp[..., None, :]) & causal.reshape((1,) * (grp.ndim - 1) + (C, C)),
         reads=(grp == prev_last[..., None]).astype(f32),
         writes=(grp == last[..., None]).astype(f32),
         carried=(last == prev_last).astype(f32),
@@ -166,7 +171,7 @@ def _chunk_prepare(q, k, v, g, beta, masks: ChunkMasks) -> ChunkPrep:
     return ChunkPrep(
         cum=cum,
         decay=decay,
-        t_inv=_unit_lower_inverse(jnp.where(strict, scores[..., 0, :, :], 0.0)),
+        t_inv=_unit_lower_inverse(jnp.where(_lead(strict, scores.ndim - 1), scores[..., 0, :, :], 0.0)),
         v_beta=v * beta[..., None],
         kq_read=kb_q * jnp.concatenate([read, read], axis=-1)[..., None],
         # Stored transposed so the state update is a plain [dk, C] x [C, dv] matmul.
@@ -235,7 +240,7 @@ def _chunk_backward(q, k, v, g, beta, masks: ChunkMasks, prep: ChunkPrep, s, do,
     d_t = _mm("...cv,...sv->...cs", dv_new, r)
     strict = jnp.tril(jnp.ones((C, C), bool), -1)
     d_a = -_mm("...sc,...sd->...cd", prep.t_inv, _mm("...cs,...ds->...cd", d_t, prep.t_inv))
-    d_a = jnp.where(strict, d_a, 0.0)
+    d_a = jnp.where(_lead(strict, d_a.ndim), d_a, 0.0)
     # A = strict(k_beta k^T * D), P = (q k^T) * D.
     d_kbk = d_a * prep.decay
     d_qk = d_intra * prep.decay

@@ -47,9 +47,14 @@ def causal_depthwise_conv(x_BxTxC: jax.Array, w_KxC: jax.Array, groups_BxT: jax.
     over blocks of time, and the input gradient is the transposed taps.
     """
     K, T = w_KxC.shape[0], x_BxTxC.shape[1]
-    out = x_BxTxC * w_KxC[K - 1]
+    out = x_BxTxC * w_KxC[None, None, K - 1]
     for lag in range(1, min(K, T)):
-        out = out + _shift(x_BxTxC, lag) * _same_group(groups_BxT, lag, x_BxTxC.dtype) * w_KxC[K - 1 - lag]
+        out = (
+            out
+            + _shift(x_BxTxC, lag)
+            * _same_group(groups_BxT, lag, x_BxTxC.dtype)
+            * w_KxC[None, None, K - 1 - lag]
+        )
     return out
 
 
@@ -60,9 +65,9 @@ def _conv_fwd(x_BxTxC, w_KxC, groups_BxT):
 def _conv_bwd(res, d_BxTxC):
     x, w, groups = res
     K, T = w.shape[0], x.shape[1]
-    dx = d_BxTxC * w[K - 1]
+    dx = d_BxTxC * w[None, None, K - 1]
     for lag in range(1, min(K, T)):
-        dx = dx + _shift(d_BxTxC * _same_group(groups, lag, x.dtype), -lag) * w[K - 1 - lag]
+        dx = dx + _shift(d_BxTxC * _same_group(groups, lag, x.dtype), -lag) * w[None, None, K - 1 - lag]
     # dw[j] = sum_t d[t] x[t - (K-1) + j] (same group), block by block over time.
     Tb = min(_CONV_GRAD_BLOCK, T)
     pad = (-T) % Tb
@@ -149,7 +154,7 @@ class GatedDeltaNet(nnx.Module):
             conv_state, rec_state = state
             history_BxKxC = jnp.swapaxes(conv_state, 1, 2).astype(dt)
             full_BxLxC = jnp.concatenate([history_BxKxC, qkv_BxTxC], axis=1)  # L = K + T
-            conv_BxTxC = sum(full_BxLxC[:, 1 + j : 1 + j + T] * w_KxC[j] for j in range(K))
+            conv_BxTxC = sum(full_BxLxC[:, 1 + j : 1 + j + T] * w_KxC[None, None, j] for j in range(K))
             # The new conv state is the last K *valid* inputs of each row (pads never enter it).
             n_valid_B = valid_BxT.sum(-1)
             take = jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, K, axis=0))
@@ -162,8 +167,8 @@ class GatedDeltaNet(nnx.Module):
         v_BxTxHxV = conv_BxTxC[..., 2 * kd :].reshape(B, T, Hv, dv)
 
         beta_BxTxH = jax.nn.sigmoid(b_BxTxH.astype(f32))
-        g_BxTxH = -jnp.exp(self.A_log[...].astype(f32)) * jax.nn.softplus(
-            a_BxTxH.astype(f32) + self.dt_bias[...].astype(f32)
+        g_BxTxH = -jnp.exp(self.A_log[...].astype(f32))[None, None] * jax.nn.softplus(
+            a_BxTxH.astype(f32) + self.dt_bias[...].astype(f32)[None, None]
         )
         # The norm's statistics in float32, the result back in the compute dtype: the delta rule
         # casts each chunk to float32 as it loads it, so float32 copies of q and k (repeated to the

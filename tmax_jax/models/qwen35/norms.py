@@ -11,9 +11,14 @@ def rms_normalize_f32(x: jax.Array, eps: float) -> jax.Array:
     return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
+def _over_last(w: jax.Array, x: jax.Array) -> jax.Array:
+    """A [D] weight as [1, ..., 1, D] for x's rank (explicit, so strict rank promotion holds)."""
+    return w.reshape((1,) * (x.ndim - 1) + (-1,))
+
+
 def zero_centred_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """``norm(x) * (1 + w)`` in float32, cast back to x's dtype (weights are stored around 0)."""
-    y = rms_normalize_f32(x, eps) * (1.0 + weight.astype(jnp.float32))
+    y = rms_normalize_f32(x, eps) * (1.0 + _over_last(weight, x).astype(jnp.float32))
     return y.astype(x.dtype)
 
 
@@ -24,7 +29,9 @@ def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float)
     runs match the reference's rounding points.
     """
     normed = rms_normalize_f32(x, eps).astype(x.dtype)
-    y = (weight.astype(x.dtype) * normed).astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
+    y = (_over_last(weight, x).astype(x.dtype) * normed).astype(jnp.float32) * jax.nn.silu(
+        gate.astype(jnp.float32)
+    )
     return y.astype(x.dtype)
 
 
@@ -33,7 +40,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, zero_centred: bool)
     around 1; the normalised value rounded to x's dtype before the weight, as transformers does)."""
     if zero_centred:
         return zero_centred_rms_norm(x, weight, eps)
-    w = weight.astype(x.dtype).reshape((1,) * (x.ndim - 1) + (-1,))
+    w = _over_last(weight, x).astype(x.dtype)
     return w * rms_normalize_f32(x, eps).astype(x.dtype)
 
 
