@@ -39,23 +39,26 @@ def engine(model):
 _TRAINER = {}
 
 
-def trainer_logprobs(model, prompt, tokens, temperature):
-    """Teacher-forced logprobs of ``tokens`` after ``prompt``: one jitted full forward, as the trainer."""
+def trainer_logprobs(model, prompt, tokens, temperature, top_k=0, top_p=1.0):
+    """Teacher-forced logprobs of ``tokens`` after ``prompt``: one jitted full forward, as the trainer
+    (under the slot's top-k/top-p truncation, which the engine's logprobs report)."""
     row = list(prompt) + list(tokens)
     seq = np.zeros((1, MAX_LEN), np.int32)
     seg = np.zeros((1, MAX_LEN), np.int32)
     seq[0, : len(row)], seg[0, : len(row)] = row, 1
     graphdef, state = nnx.split(model)
-    if graphdef not in _TRAINER:
+    key = (graphdef, top_k, top_p)
+    if key not in _TRAINER:
 
         @jax.jit
         def run(state, seq, seg, t):
             m = nnx.merge(graphdef, state)
             hidden = m.hidden_states(seq, segment_ids=seg)
-            return token_logprobs(hidden[:, :-1], m.lm_head_weight(), seq[:, 1:], temperature=t)
+            head = m.lm_head_weight()
+            return token_logprobs(hidden[:, :-1], head, seq[:, 1:], temperature=t, top_k=top_k, top_p=top_p)
 
-        _TRAINER[graphdef] = run
-    lp = _TRAINER[graphdef](state, jnp.asarray(seq), jnp.asarray(seg), jnp.float32(temperature or 1.0))
+        _TRAINER[key] = run
+    lp = _TRAINER[key](state, jnp.asarray(seq), jnp.asarray(seg), jnp.float32(temperature or 1.0))
     return np.asarray(lp)[0, len(prompt) - 1 : len(row) - 1]
 
 
@@ -131,7 +134,8 @@ def test_blocks_match_single_steps_token_for_token(model, engine):
         first = firsts[s]
         tokens = [int(first.token[0])] + got[0][got[1][:, s], s].tolist()
         lps = [float(first.log_prob[0])] + got[2][got[1][:, s], s].tolist()
-        np.testing.assert_allclose(lps, trainer_logprobs(model, p, tokens, sp.temperature), atol=3e-5)
+        want = trainer_logprobs(model, p, tokens, sp.temperature, sp.top_k or 0, sp.top_p or 1.0)
+        np.testing.assert_allclose(lps, want, atol=3e-5, err_msg=f"slot {s}")
 
 
 def test_block_stops_on_a_stop_token_and_emits_nothing_after(engine):
