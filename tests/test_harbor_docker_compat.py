@@ -219,7 +219,10 @@ def task_set(tmp_path_factory) -> Path:
         '&& [ ! -e /tmp/tmax-stage ] && [ -z "$BUILD_MODE" ] && [ -x /app/bin/env-from-base ]',
         {"solve.sh": '[ -z "$BUILD_MODE" ] && cat /app/dist/artifact.txt > /app/result.txt\n'},
     )
-    # `python3 -m` from the app dir finds the app's package, as under Docker (no PYTHONSAFEPATH).
+    # `python3 -m` from the app dir finds the app's package and a script its sibling modules, as under
+    # Docker; but the app dir comes after the standard library, so a json.py / unittest.py planted
+    # there while the tests run (here by the verifier itself, as a process the agent left could, and
+    # removed again before the scan after it) does not stand in for the real module.
     write_harbor_task(
         root,
         "python-m-cwd",
@@ -227,7 +230,13 @@ def task_set(tmp_path_factory) -> Path:
         "Write calc/core.py with add(a, b).",
         "FROM ubuntu:24.04\nWORKDIR /app\nRUN mkdir -p calc && touch calc/__init__.py && "
         "printf 'from calc.core import add\\nprint(add(2, 3))\\n' > calc/__main__.py\n",
-        '[ "$(cd /app && python3 -m calc 2>/dev/null)" = 5 ]',
+        '[ "$(cd /app && python3 -m calc 2>/dev/null)" = 5 ] '
+        '&& [ "$(cd / && python3 /app/calc/__main__.py 2>/dev/null)" = "" ] '
+        "&& [ \"$(cd /app && echo 'raise SystemExit(3)' > json.py && cp json.py unittest.py && "
+        "python3 -c 'import json, unittest; print(json.dumps([unittest.__name__]))' 2>/dev/null; "
+        'rm -f json.py unittest.py)" = \'["unittest"]\' ] '
+        "&& [ \"$(cd / && echo 'X = 7' > /app/sib.py && echo 'import sib; print(sib.X)' > /app/main_s.py && "
+        'python3 /app/main_s.py 2>/dev/null; rm -f /app/sib.py /app/main_s.py)" = 7 ]',
         {"solve.sh": "printf 'def add(a, b):\\n    return a + b\\n' > /app/calc/core.py\n"},
     )
     # A malformed task dir (task.toml is not TOML): listed as invalid, the others run.

@@ -157,7 +157,7 @@ def test_no_host_secret_in_agent_or_verifier(cfg, tmp_path, monkeypatch):
         assert "container=podman" in r.stdout and secret not in r.stdout
         v = sb.run_verifier(d, ["bash", "/tests/test.sh"], timeout=30)
     env = v.logs["env.txt"].decode()
-    assert "PYTHONNOUSERSITE=1" in env and secret not in env
+    assert "PYTHONSAFEPATH=1" in env and "PYTHONUSERBASE=/tests/" in env and secret not in env
     assert v.logs["path.txt"].decode().strip() == VERIFIER_PATH
 
 

@@ -32,15 +32,47 @@ class EpisodeTimeout(SandboxError):
 
 # What a verifier sees of itself: a fixed PATH, a HOME and working directory the agent never wrote.
 VERIFIER_PATH = BASE_PATH
+# The verifier's Python puts no agent-writable directory before the standard library and
+# site-packages: PYTHONSAFEPATH keeps the working / script directory off the front of sys.path, and a
+# ``usercustomize`` under /tests (the verifier's own mount; see ``write_verifier_python``) appends it
+# at the end instead. ``python3 -m pkg`` from /app and a script's sibling modules still import, as
+# under Docker, but a ``pytest.py`` or ``json.py`` that a process the agent left plants in /app while
+# the tests run cannot stand in for the real one. The user base is that dir, so no user site of the
+# agent's (``~/.local``) is read.
+VERIFIER_PYTHON_DIR = "/tests/.tmax-verifier-python"
 VERIFIER_ENV = {
     "PATH": VERIFIER_PATH,
     "HOME": "/tests",
     "LANG": "C.UTF-8",
     "TERM": "dumb",
     "USER": "root",
-    "PYTHONNOUSERSITE": "1",
+    "PYTHONSAFEPATH": "1",
+    "PYTHONUSERBASE": VERIFIER_PYTHON_DIR,
     "PYTHONDONTWRITEBYTECODE": "1",
 }
+
+_USERCUSTOMIZE = """\
+# Written by tmax-jax for the verifier: the directory Python would have put first on sys.path
+# (the working directory for -m / -c, else the script's) goes last, after the standard library.
+import os as _os
+import sys as _sys
+
+_a = _sys.argv[0] if _sys.argv else ""
+_d = _os.getcwd() if _a in ("", "-m", "-c") else _os.path.dirname(_os.path.abspath(_a))
+if _d not in _sys.path:
+    _sys.path.append(_d)
+del _os, _sys, _a, _d
+"""
+
+
+def write_verifier_python(tests_copy: Path) -> None:
+    """Put the verifier's ``usercustomize`` into the copy of the tests that becomes /tests (one per
+    Python minor version the base may run, since the user site's path names it)."""
+    base = Path(tests_copy) / Path(VERIFIER_PYTHON_DIR).relative_to("/tests")
+    for minor in range(6, 20):
+        site = base / "lib" / f"python3.{minor}" / "site-packages"
+        site.mkdir(parents=True, exist_ok=True)
+        (site / "usercustomize.py").write_text(_USERCUSTOMIZE)
 
 
 # Variables that change how a shell or Python starts, or what it loads: never taken from the image

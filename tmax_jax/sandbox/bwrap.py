@@ -45,6 +45,7 @@ from tmax_jax.sandbox.base import (
     VerifierRun,
     exec_result,
     read_verifier_logs,
+    write_verifier_python,
 )
 from tmax_jax.sandbox.config import SandboxConfig
 from tmax_jax.sandbox.procs import kill_tree, pid_alive, run_capped
@@ -524,6 +525,7 @@ class BwrapSandbox(Sandbox):
         cg = None
         try:
             shutil.copytree(tests_dir, tests, symlinks=True)
+            write_verifier_python(tests)
             tests.chmod(0o755)
             (logs / "verifier").mkdir(parents=True)
             self._give_to_sandbox(vdir)

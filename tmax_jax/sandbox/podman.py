@@ -57,7 +57,14 @@ from pathlib import Path
 
 from tmax_jax.errors import SandboxError
 from tmax_jax.sandbox import podman_toolchain, seccomp
-from tmax_jax.sandbox.base import VERIFIER_ENV, Sandbox, VerifierRun, exec_result, read_verifier_logs
+from tmax_jax.sandbox.base import (
+    VERIFIER_ENV,
+    Sandbox,
+    VerifierRun,
+    exec_result,
+    read_verifier_logs,
+    write_verifier_python,
+)
 from tmax_jax.sandbox.config import ExecResult, SandboxConfig
 from tmax_jax.sandbox.podman_images import PodmanImage, ensure_base_image
 from tmax_jax.sandbox.procs import kill_tree, run_capped
@@ -350,6 +357,7 @@ class PodmanSandbox(Sandbox):
         vdir = self.run_dir / f"verify-{self._verifies}"
         tests, logs = vdir / "tests", vdir / "logs"
         shutil.copytree(tests_dir, tests, symlinks=True)
+        write_verifier_python(tests)
         logs.mkdir()
         # Owned by the container's root (a mapped uid), so that the verifier may write both.
         _chown_tree(vdir, ID_BASE, ID_BASE)
