@@ -58,34 +58,39 @@ def rand_prompt(rng, n):
     return rng.integers(0, 256, size=n).tolist()
 
 
-def trainer_logprobs(model, prompt, tokens, temperature):
-    """Teacher-forced logprobs of ``tokens`` after ``prompt`` (jitted, right-padded to 128).
+def trainer_logprobs(model, prompt, tokens, temperature, top_k=0):
+    """Teacher-forced logprobs of ``tokens`` after ``prompt`` (jitted, right-padded to 128), under
+    the request's top-k truncation as the engine reports it.
 
-    Greedy (T == 0) tokens carry the plain logits' logprob, i.e. the trainer's T == 1."""
+    Greedy (T == 0) tokens carry the plain logits' logprob, i.e. the trainer's T == 1, untruncated."""
+    top_k = top_k if temperature else 0
     temperature = temperature or 1.0
     row = list(prompt) + list(tokens)
     seq = np.zeros((1, MAX_LEN), np.int32)
     seg = np.zeros((1, MAX_LEN), np.int32)
     seq[0, : len(row)], seg[0, : len(row)] = row, 1
-    lp = _trainer_fn(model)(nnx.state(model), jnp.asarray(seq), jnp.asarray(seg), jnp.float32(temperature))
+    lp = _trainer_fn(model, top_k)(
+        nnx.state(model), jnp.asarray(seq), jnp.asarray(seg), jnp.float32(temperature)
+    )
     return np.asarray(lp)[0, len(prompt) - 1 : len(row) - 1]
 
 
 _FNS = {}
 
 
-def _trainer_fn(model):
+def _trainer_fn(model, top_k=0):
     graphdef = nnx.graphdef(model)
-    if graphdef not in _FNS:
+    if (graphdef, top_k) not in _FNS:
 
         @jax.jit
         def run(state, seq, seg, temperature):
             m = nnx.merge(graphdef, state)
             hidden = m.hidden_states(seq, segment_ids=seg)
-            return token_logprobs(hidden[:, :-1], m.lm_head_weight(), seq[:, 1:], temperature=temperature)
+            head = m.lm_head_weight()
+            return token_logprobs(hidden[:, :-1], head, seq[:, 1:], temperature=temperature, top_k=top_k)
 
-        _FNS[graphdef] = run
-    return _FNS[graphdef]
+        _FNS[(graphdef, top_k)] = run
+    return _FNS[(graphdef, top_k)]
 
 
 def test_jetstream_interface_calls(engine):
@@ -174,7 +179,9 @@ def test_continuous_batching_equals_one_at_a_time(model, engine, orch):
         assert len(a.tokens) == r.max_tokens and a.finish_reason == "length"
         # Independent check of every slot's state (chunked prefill, reused slots): the trainer's recompute.
         np.testing.assert_allclose(
-            a.logprobs, trainer_logprobs(model, r.prompt, a.tokens, r.sampling.temperature), atol=3e-5
+            a.logprobs,
+            trainer_logprobs(model, r.prompt, a.tokens, r.sampling.temperature, r.sampling.top_k),
+            atol=3e-5,
         )
     # 11 requests on 4 slots finish in far fewer steps than one at a time: freed slots were refilled.
     sequential_steps = sum(r.max_tokens - 1 for r in reqs)
