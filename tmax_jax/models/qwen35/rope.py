@@ -49,7 +49,9 @@ def rope_cos_sin(
     else:
         inv_freq, scale = yarn_inv_freq(rotary_dim, theta, *yarn)
         inv_freq = jnp.asarray(inv_freq)
-    freqs_BxTxR2 = positions_BxT.astype(jnp.float32)[..., None] * inv_freq.reshape((1,) * positions_BxT.ndim + (-1,))
+    freqs_BxTxR2 = positions_BxT.astype(jnp.float32)[..., None] * inv_freq.reshape(
+        (1,) * positions_BxT.ndim + (-1,)
+    )
     freqs_BxTxR = jnp.concatenate([freqs_BxTxR2, freqs_BxTxR2], axis=-1)
     if scale == 1.0:
         return jnp.cos(freqs_BxTxR), jnp.sin(freqs_BxTxR)
