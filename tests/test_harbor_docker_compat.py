@@ -26,7 +26,7 @@ from harbor_helpers import write_harbor_task
 
 from tmax_jax.errors import TaskFormatError
 from tmax_jax.eval.agents import NoopAgent, OracleAgent
-from tmax_jax.eval.environment import check_environment, script_fetches
+from tmax_jax.eval.environment import check_environment, script_fetches, task_availability
 from tmax_jax.eval.runner import EvalConfig, evaluate
 from tmax_jax.eval.tasks import find_eval_tasks
 from tmax_jax.sandbox import SandboxConfig
@@ -515,7 +515,8 @@ def test_run_task_and_train_list_network_tasks_as_unavailable(task_set, tmp_path
 @pytest.mark.podman
 def test_podman_uses_a_local_docker_image_without_building(tmp_path):
     """``[environment] docker_image`` on podman, offline: a local image of that name is run as is
-    (the task's Dockerfile, which would fail to build, is not built)."""
+    (the task's Dockerfile, which downloads and would fail to build, is not built), so the task is
+    available there; on bwrap, which builds the Dockerfile, it is unavailable offline."""
     import subprocess
     import uuid
 
@@ -533,7 +534,7 @@ def test_podman_uses_a_local_docker_image_without_building(tmp_path):
             "prebuilt",
             "dockerfile",
             "Create /app/done.",
-            "FROM ubuntu:24.04\nRUN exit 1\n",
+            "FROM ubuntu:24.04\nRUN apt-get update && apt-get install -y curl && exit 1\n",
             "[ -e /app/done ]",
             {"solve.sh": "mkdir -p /app && touch /app/done\n"},
         )
@@ -542,6 +543,10 @@ def test_podman_uses_a_local_docker_image_without_building(tmp_path):
         )  # in [environment]
         task = load_task(d)
         assert task.environment.image == name
+        assert task_availability(task, backend="podman").available
+        assert "apt-get" in task_availability(task, backend="bwrap").reason
+        (t,) = [t for t in find_eval_tasks(tmp_path, backend="podman") if t.task_id == "prebuilt"]
+        assert t.environment.available
         good, bad = run_task(task, "oracle", cfg), run_task(task, None, cfg)
         assert (good.reward, bad.reward) == (1.0, 0.0), (good.reason, good.verifier_log[-500:])
     finally:

@@ -91,7 +91,7 @@ def run(args) -> int:
 def _unavailable(task, args) -> str | None:
     from tmax_jax.eval.environment import task_availability
 
-    env = task_availability(task, network=bool(getattr(args, "network", False)))
+    env = task_availability(task, network=bool(getattr(args, "network", False)), backend=args.backend)
     return None if env.available else env.reason
 
 

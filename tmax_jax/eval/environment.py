@@ -209,18 +209,24 @@ def _unavailable(fetches: list[tuple[int, str]], file: str, when: str) -> Enviro
 
 
 def check_environment(
-    task_dir: str | Path, *, network: bool = False, run_network: bool | None = None
+    task_dir: str | Path,
+    *,
+    network: bool = False,
+    run_network: bool | None = None,
+    prebuilt: bool = False,
 ) -> EnvironmentCheck:
     """Whether ``task_dir`` can run here.
 
     network: environment builds can reach the internet. run_network: the sandbox the agent and the
     verifier run in can (default: the same as ``network``); without it a ``tests/test.sh`` or
-    ``solution/solve.sh`` that downloads makes the task unavailable.
+    ``solution/solve.sh`` that downloads makes the task unavailable. prebuilt: the environment is
+    an image already on this machine (task.toml's ``docker_image`` under podman), so the
+    Dockerfile is never built and its downloads do not count.
     """
     task_dir = Path(task_dir)
     run_network = network if run_network is None else run_network
     dockerfile = task_dir / "environment" / "Dockerfile"
-    if not network and dockerfile.is_file():
+    if not network and not prebuilt and dockerfile.is_file():
         fetches = network_fetches(dockerfile.read_text(errors="replace"))
         if fetches:
             return _unavailable(fetches, "environment/Dockerfile", "at build time")
@@ -237,13 +243,33 @@ def check_environment(
     return EnvironmentCheck(True)
 
 
-def task_availability(task, *, network: bool = False) -> EnvironmentCheck:
+def _prebuilt_here(task, backend: str) -> bool:
+    """Whether ``backend`` runs ``task`` from a local prebuilt image instead of building its
+    Dockerfile: podman with task.toml's ``docker_image`` present in local storage (no pull)."""
+    env = getattr(task, "environment", None)
+    if backend != "podman" or env is None or env.kind != "dockerfile" or not env.image:
+        return False
+    from tmax_jax.sandbox.podman_images import image_exists
+
+    try:
+        return image_exists(env.image.removeprefix("docker://"))
+    except Exception:  # no podman here: the Dockerfile would be built, so it is what counts
+        return False
+
+
+def task_availability(task, *, network: bool = False, backend: str = "bwrap") -> EnvironmentCheck:
     """Whether a loaded task can run in a run whose sandboxes have the internet (``network``) or
-    not: its Dockerfile, ``tests/test.sh`` and ``solution/solve.sh`` scanned for downloads, and a
-    ``task.toml`` that asks for the internet at run time (``allow_internet``) refused offline. Used
-    by ``tmax-jax eval``, ``run-task``/``run-tasks`` and ``train`` (``tasks.dir``) alike."""
+    not: its Dockerfile (unless ``backend`` runs a local prebuilt image instead), ``tests/test.sh``
+    and ``solution/solve.sh`` scanned for downloads, and a ``task.toml`` that asks for the internet
+    at run time (``allow_internet``) refused offline. Used by ``tmax-jax eval``,
+    ``run-task``/``run-tasks`` and ``train`` (``tasks.dir``) alike."""
     allow = bool(getattr(getattr(task, "limits", None), "allow_internet", False))
-    env = check_environment(task.path, network=network, run_network=network and allow)
+    env = check_environment(
+        task.path,
+        network=network,
+        run_network=network and allow,
+        prebuilt=not network and _prebuilt_here(task, backend),
+    )
     if env.available and not network and allow:
         return EnvironmentCheck(
             False, "task.toml allows internet at run time (allow_internet = true) and this run is offline"

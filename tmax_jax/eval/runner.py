@@ -198,7 +198,8 @@ def evaluate(
     task runner's SandboxConfig (backend, rootfs); ``run_attempt`` replaces the task runner.
     """
     out_dir = Path(out_dir)
-    tasks = find_eval_tasks(tasks_dir, network=cfg.network)
+    backend = getattr(sandbox_cfg, "backend", None) or "bwrap"
+    tasks = find_eval_tasks(tasks_dir, network=cfg.network, backend=backend)
     ident = {
         "agent": agent.name,
         "tasks_dir": str(Path(tasks_dir).resolve()),

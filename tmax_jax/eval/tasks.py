@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from tmax_jax.errors import TaskFormatError
-from tmax_jax.eval.environment import EnvironmentCheck, check_environment
+from tmax_jax.eval.environment import EnvironmentCheck, task_availability
 from tmax_jax.eval.summary import UNCATEGORIZED
 
 
@@ -30,8 +30,9 @@ def _category(task: Any) -> str:
     return category.strip()
 
 
-def find_eval_tasks(root: str | Path, *, network: bool = False) -> list[EvalTask]:
-    """Harbor tasks under ``root`` (TMAX task.json dirs are skipped), sorted by id.
+def find_eval_tasks(root: str | Path, *, network: bool = False, backend: str = "bwrap") -> list[EvalTask]:
+    """Harbor tasks under ``root`` (TMAX task.json dirs are skipped), sorted by id, each with its
+    availability for a run on ``backend`` with or without the network.
 
     A malformed task dir is kept in the set as ``invalid`` with the reason (it is listed in the
     report, not scored) so the rest of the set still runs; a set without any Harbor task dir is a
@@ -57,13 +58,9 @@ def find_eval_tasks(root: str | Path, *, network: bool = False) -> list[EvalTask
                 EvalTask(task_id, path, UNCATEGORIZED, EnvironmentCheck(False, why), None, invalid=why)
             )
             continue
-        run_network = network and task.limits.allow_internet
-        env = check_environment(path, network=network, run_network=run_network)
-        if env.available and not network and task.limits.allow_internet:
-            env = EnvironmentCheck(
-                False, "task.toml allows internet at run time (allow_internet = true) and this run is offline"
-            )
-        out.append(EvalTask(task_id, path, category, env, task))
+        out.append(
+            EvalTask(task_id, path, category, task_availability(task, network=network, backend=backend), task)
+        )
     if not out:
         raise TaskFormatError(f"no Harbor tasks (task.toml + instruction.md + tests/test.sh) under {root}")
     return sorted(out, key=lambda t: t.task_id)

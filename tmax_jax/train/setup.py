@@ -236,7 +236,7 @@ def _copy_dir_tasks(cfg: TrainConfig, root: Path) -> None:
             # A task that needs the internet where the run has none is never trained on.
             from tmax_jax.eval.environment import task_availability
 
-            env = task_availability(task, network=cfg.sandbox.network)
+            env = task_availability(task, network=cfg.sandbox.network, backend=cfg.sandbox.backend)
             if not env.available:
                 print(f"tmax-jax train: skipping unavailable task {p}: {env.reason}", file=sys.stderr)
                 continue
