@@ -194,8 +194,9 @@ def task_set(tmp_path_factory) -> Path:
         '[ "$(stat -c %U /app/done 2>/dev/null)" = agent ]',
         {"solve.sh": '[ "$(id -un):$HOME:$USER" = agent:/home/agent:agent ] && touch /app/done\n'},
     )
-    # Multi-stage: COPY --from an earlier stage; that stage's other files and ENV stay out of the
-    # image, and a stage nothing refers to is not built (its RUN would fail).
+    # Multi-stage: COPY --from an earlier stage; that stage's other files (in /usr and /etc too, and
+    # what it deleted there) and ENV stay out of the image, and a stage nothing refers to is not
+    # built (its RUN would fail).
     write_harbor_task(
         root,
         "multi-stage",
@@ -207,6 +208,7 @@ def task_set(tmp_path_factory) -> Path:
         WORKDIR /srv/build
         RUN mkdir -p out && echo "built-$BUILD_MODE" > out/artifact.txt && mkdir -p /app && echo junk > /app/junk.txt
         RUN mkdir -p /src /var/log && echo junk > /src/junk.txt && echo junk > /var/log/stage.log
+        RUN echo junk > /etc/stage-leak.conf && echo junk > /usr/local/stage-leak && rm -f /usr/bin/nl
         FROM ubuntu:24.04 AS unused
         RUN exit 1
         FROM docker.io/library/ubuntu:24.04
@@ -216,7 +218,8 @@ def task_set(tmp_path_factory) -> Path:
         """,
         '[ "$(cat /app/result.txt 2>/dev/null)" = "built-release" ] && [ ! -e /app/junk.txt ] '
         "&& [ ! -e /srv/build ] && [ ! -e /src/junk.txt ] && [ ! -e /var/log/stage.log ] "
-        '&& [ ! -e /tmp/tmax-stage ] && [ -z "$BUILD_MODE" ] && [ -x /app/bin/env-from-base ]',
+        '&& [ ! -e /tmp/tmax-stage ] && [ -z "$BUILD_MODE" ] && [ -x /app/bin/env-from-base ] '
+        "&& [ ! -e /etc/stage-leak.conf ] && [ ! -e /usr/local/stage-leak ] && [ -x /usr/bin/nl ]",
         {"solve.sh": '[ -z "$BUILD_MODE" ] && cat /app/dist/artifact.txt > /app/result.txt\n'},
     )
     # `python3 -m` from the app dir finds the app's package and a script its sibling modules, as under

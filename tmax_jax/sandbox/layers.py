@@ -109,12 +109,25 @@ def _replay(cfg: SandboxConfig, recipe: Recipe, rootfs_spec: str, out: Path, tim
     build_cfg = dataclasses.replace(cfg, rootfs=rootfs_spec, episode_timeout_s=max(timeout_s, 1.0))
     env: dict[str, str] = {}
     workdir = "/"
-    with BwrapSandbox(build_cfg, BwrapImage(rootfs=rootfs_spec)) as sb:
+    sb = BwrapSandbox(build_cfg, BwrapImage(rootfs=rootfs_spec))
+    try:
         rfs = sb.rootfs
         sb.start()
         for st in recipe.steps:
             where = st.source or st.kind
-            if st.kind == "env":
+            if st.kind == "reset":
+                # An earlier build stage ended: the next starts from the bare base in a new build
+                # sandbox, as Docker's does, with only the stash of what later stages copy from it.
+                stash = out / "stage-stash"
+                if sb.exec(f"test -e {shlex.quote(st.args[0])}", cwd="/").ok:
+                    sb.download(st.args[0], stash)
+                sb.close()
+                sb = BwrapSandbox(build_cfg, BwrapImage(rootfs=rootfs_spec))
+                sb.start()
+                if stash.exists():
+                    sb.upload(stash, st.args[0])
+                    shutil.rmtree(stash)
+            elif st.kind == "env":
                 env[st.args[0]] = st.args[1]
                 sb.image_env[st.args[0]] = st.args[1]
             elif st.kind == "workdir":
@@ -172,6 +185,8 @@ def _replay(cfg: SandboxConfig, recipe: Recipe, rootfs_spec: str, out: Path, tim
             r = subprocess.run(["cp", "-a", f"{upper}/.", f"{target}/"], capture_output=True, text=True)
             if r.returncode != 0:
                 raise SandboxError(f"saving layer's {dest} failed: {r.stderr[-500:]}")
+    finally:
+        sb.close()
     # /logs and /tests belong to the episode, never to the environment; .tmax holds the sandbox's
     # scratch (/tmp, /run, /dev/shm), which a layer never kept.
     for p in ("logs", "tests", "solution", ".tmax"):

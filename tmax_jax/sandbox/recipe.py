@@ -297,6 +297,10 @@ class _Stages:
                 f"end of build stage {n}",
             )
         )
+        # Where the builder can, the next stage also starts in a fresh build sandbox (with only the
+        # stash carried over): what the stage changed in the copy-on-write base dirs (/usr, /etc),
+        # which the line above cannot tell from the base's own files, is gone too.
+        out.append(Step("reset", (self.stash(n),), steps[-1].line if steps else 0, f"end of build stage {n}"))
         return out
 
     def copy_from(self, ref: str, srcs: list[str], dest: str, where: str) -> tuple[str, list[str]]:
