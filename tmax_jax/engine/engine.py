@@ -24,11 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from tmax_jax import launch
 from tmax_jax.engine import sampling
 from tmax_jax.engine.engine_api import EngineAPI, ResultTokens
 from tmax_jax.engine.sampling import SamplingParams
 from tmax_jax.errors import ConfigError, TmaxError
-from tmax_jax.launch import serialized
 from tmax_jax.rl.logprobs import head_logits
 
 # Columns of ResultTokens.data.
@@ -214,18 +214,17 @@ class Engine(EngineAPI):
         self.trace_counts: collections.Counter[str] = collections.Counter()
         probe = jax.eval_shape(lambda: model.init_cache(1, max_cache_length, dtype=cache_dtype))
         self._narrowable = hasattr(probe, "narrow") and hasattr(probe, "widen_into")
-        self._prefill_fresh_jit = serialized(jax.jit(self._prefill_fresh_impl, static_argnums=(3,)))
-        self._prefill_cont_jit = serialized(jax.jit(self._prefill_cont_impl, static_argnums=(4,)))
-        self._row_jit = serialized(jax.jit(self._row_impl))
-        self._sample_first_jit = serialized(jax.jit(self._sample_first_impl))
-        self._generate_jit = serialized(jax.jit(self._generate_impl, donate_argnums=(1,)))
-        self._block_jit = serialized(
-            jax.jit(self._generate_block_impl, static_argnums=(3,), donate_argnums=(1,))
-        )
-        self._live_length_jit = serialized(jax.jit(self._live_length_impl))
-        self._insert_jit = serialized(jax.jit(self._insert_impl, donate_argnums=(1,)))
-        self._extract_jit = serialized(jax.jit(self._extract_impl))
-        self._deactivate_jit = serialized(jax.jit(self._deactivate_impl, donate_argnums=(0,)))
+        self._prefill_fresh_jit = launch.jit(self._prefill_fresh_impl, static_argnums=(3,))
+        self._prefill_cont_jit = launch.jit(self._prefill_cont_impl, static_argnums=(4,))
+        self._row_jit = launch.jit(self._row_impl)
+        self._sample_first_jit = launch.jit(self._sample_first_impl)
+        self._generate_jit = launch.jit(self._generate_impl, donate_argnums=(1,))
+        self._block_jit = launch.jit(self._generate_block_impl, static_argnums=(3,), donate_argnums=(1,))
+        self._live_length_jit = launch.jit(self._live_length_impl)
+        self._insert_jit = launch.jit(self._insert_impl, donate_argnums=(1,))
+        self._extract_jit = launch.jit(self._extract_impl)
+        self._deactivate_jit = launch.jit(self._deactivate_impl, donate_argnums=(0,))
+        self._init_decode_state_jit = launch.jit(self._init_decode_state_impl)
 
     # ----------------------------------------------------------------- properties (JetStream API)
     @property
@@ -319,16 +318,10 @@ class Engine(EngineAPI):
         return None
 
     # ----------------------------------------------------------------- state
-    def _init_cache(self, batch: int):
+    def init_decode_state(self, *args, **kwargs) -> DecodeState:
         # Built under jit so every leaf is its own buffer (donation rejects aliased zeros); the
         # parameters are an argument so they are never baked into the program as constants.
-        def make(params):
-            return nnx.merge(self._graphdef, params).init_cache(batch, self._max_len, dtype=self._cache_dtype)
-
-        return serialized(jax.jit(make))(self._params)
-
-    def init_decode_state(self, *args, **kwargs) -> DecodeState:
-        return serialized(jax.jit(self._init_decode_state_impl))(self._params)
+        return self._init_decode_state_jit(self._params)
 
     def _init_decode_state_impl(self, params) -> DecodeState:
         s = self._slots

@@ -16,9 +16,9 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from tmax_jax import launch
 from tmax_jax import sharding as shd
 from tmax_jax.errors import ConfigError
-from tmax_jax.launch import serial_launch
 from tmax_jax.rl.config import LossConfig, RLConfig
 from tmax_jax.rl.logprobs import token_logprobs
 from tmax_jax.rl.losses import combine_stats, finalize_stats, loss_normalizer, loss_terms
@@ -94,12 +94,14 @@ class TrainStep:
         if self.routing_replay:
             self.routing_shape = (model_cfg.num_hidden_layers, model_cfg.num_experts_per_tok)
             self.batch_shardings[ROUTING_FIELD] = shd.batch_sharding(mesh, 4)
-        self._jitted = jax.jit(
+        # The step and the optimizer's init launch through the process's one launch queue.
+        self._jitted = launch.jit(
             self._step,
             in_shardings=(self.state_shardings, self.batch_shardings),
             out_shardings=(self.state_shardings, replicated),
             donate_argnums=(0,),
         )
+        self._init_opt = launch.jit(self.optimizer.init, out_shardings=self.opt_shardings)
 
     # -- state --------------------------------------------------------------------------------------
     def init_state(self, params: nnx.State | None = None, *, seed: int = 0) -> TrainState:
@@ -110,11 +112,9 @@ class TrainStep:
             params, self._params = self._params, None
         with jax.set_mesh(self.mesh):
             params = shd.shard_tree(params, self.param_shardings)
-            with serial_launch():
-                opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(params)
+            opt_state = self._init_opt(params)
             replicated = NamedSharding(self.mesh, PartitionSpec())
-            step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
-            rng = jax.device_put(jax.random.PRNGKey(seed), replicated)
+            step, rng = shd.shard_tree((jnp.zeros((), jnp.int32), jax.random.PRNGKey(seed)), replicated)
         return TrainState(step=step, params=params, opt_state=opt_state, rng=rng)
 
     def abstract_state(self) -> TrainState:
@@ -165,7 +165,7 @@ class TrainStep:
                 {k: v for k, v in batch.items() if k not in (LAG_FIELD, ROUTING_FIELD)},
                 rows_multiple=self.rows_multiple,
             )
-        with jax.set_mesh(self.mesh), serial_launch():
+        with jax.set_mesh(self.mesh):
             return self._jitted(state, dict(batch))
 
     # -- the step -----------------------------------------------------------------------------------
@@ -293,8 +293,12 @@ def with_lag_field(batch: Mapping) -> dict:
     if LAG_FIELD not in batch:
         ids = batch["input_ids"]
         if isinstance(ids, jax.Array):
-            unknown = jax.jit(lambda x: jnp.full(x.shape, -1, jnp.int32), out_shardings=ids.sharding)
-            batch[LAG_FIELD] = unknown(ids)
+            # Filled from the host shard by shard: a transfer, no program to launch.
+            batch[LAG_FIELD] = jax.make_array_from_callback(
+                ids.shape,
+                ids.sharding,
+                lambda idx: np.full(np.empty(ids.shape, np.int8)[idx].shape, -1, np.int32),
+            )
         else:
             batch[LAG_FIELD] = np.full(np.shape(ids), -1, np.int32)
     lag = batch[LAG_FIELD]
