@@ -1,10 +1,12 @@
 """Test-wide setup: 8 fake CPU devices for sharding tests, float32 matmuls, strict rank promotion.
 
+float32 matmuls: ``jax_default_matmul_precision`` is "float32" for the whole suite (below), so no
+TF32 / bf16 passes on an accelerator and references agree.
+
 Strict rank promotion (an implicit broadcast between arrays of different rank is an error; scalars
-still broadcast) applies to tests marked ``strict_ranks`` (module-wide with ``pytestmark``): the
-code under them is clean. The model code still broadcasts [D] weights against [B, T, D]
-activations implicitly (rope, norms, DeltaNet conv / gates, delta rule masks), so tests that run the
-model are not marked yet.
+still broadcast) applies only to tests marked ``strict_ranks`` (module-wide with ``pytestmark``):
+the RL logprob/loss/policy-head tests and the model-logits test over the tiny Qwen 3.5, Qwen3 dense
+and MoE presets (test_rl_policy_head.py). Other tests run under JAX's default ("allow").
 """
 
 import os

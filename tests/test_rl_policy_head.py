@@ -153,9 +153,10 @@ def test_bad_truncation_is_rejected(top_k, top_p, match):
         )
 
 
-@pytest.mark.strict_ranks  # the model code broadcasts explicitly (rope, norms, DeltaNet, delta rule)
-def test_model_logits_are_the_head_of_its_hidden_states():
-    model = make_model(Qwen35Config.preset("tiny"), remat="none", seed=3)
+@pytest.mark.strict_ranks  # the model code broadcasts explicitly (rope, norms, DeltaNet, delta rule, MoE)
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3", "tiny-moe"])
+def test_model_logits_are_the_head_of_its_hidden_states(preset):
+    model = make_model(Qwen35Config.preset(preset), remat="none", seed=3)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 9)), jnp.int32)
     want = head_logits(model.hidden_states(ids), model.lm_head_weight())
     np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(want))
