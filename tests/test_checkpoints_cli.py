@@ -8,7 +8,7 @@ from helpers_hf import hf_logits, load_hf_torch
 
 from tmax_jax.checkpoints import load_hf
 from tmax_jax.cli import main
-from tmax_jax.models.qwen35.generate import generate
+from tmax_jax.engine import generate
 from tmax_jax.tokenizer import load_tokenizer
 
 pytest.importorskip("torch")
@@ -39,7 +39,7 @@ def test_greedy_generate_matches_transformers_greedy_decoding(tiny_dir):
 
     tok = load_tokenizer(tiny_dir)
     prompt = tok.encode("cat README.md | head")
-    ours = generate(load_hf(tiny_dir), prompt, max_new_tokens=8)
+    ours = generate(load_hf(tiny_dir), [prompt], max_new_tokens=8, eos_token_id=[])[0].tokens
     hf = load_hf_torch(tiny_dir)
     with torch.no_grad():
         seq = hf.generate(
@@ -51,7 +51,10 @@ def test_greedy_generate_matches_transformers_greedy_decoding(tiny_dir):
 def test_generate_command_prints_the_decoded_completion(tiny_dir, capsys):
     tok = load_tokenizer(tiny_dir)
     text = "cat README.md | head"
-    expected = tok.decode(generate(load_hf(tiny_dir), tok.encode(text), max_new_tokens=8))
+    model = load_hf(tiny_dir)
+    eos = [model.config.eos_token_id, tok.eos_token_id]
+    eos = [e for e in eos if e is not None]
+    expected = tok.decode(generate(model, [tok.encode(text)], max_new_tokens=8, eos_token_id=eos)[0].tokens)
     capsys.readouterr()
     argv = ["generate", "--checkpoint", str(tiny_dir), "--prompt", text, "--raw", "--max-new-tokens", "8"]
     assert main(argv) == 0

@@ -25,9 +25,11 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import jax.numpy as jnp
+
     from tmax_jax.checkpoints import load_hf
+    from tmax_jax.engine import generate
     from tmax_jax.errors import CheckpointError
-    from tmax_jax.models.qwen35.generate import generate
     from tmax_jax.tokenizer import load_tokenizer
 
     ckpt = Path(args.checkpoint)
@@ -41,14 +43,16 @@ def run(args: argparse.Namespace) -> int:
         messages = [{"role": "user", "content": args.prompt}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         prompt_ids = tokenizer.encode(text)
-    eos = {model.config.eos_token_id, tokenizer.eos_token_id} - {None}
-    out = generate(
+    eos = sorted({model.config.eos_token_id, tokenizer.eos_token_id} - {None})
+    (out,) = generate(
         model,
-        prompt_ids,
+        [prompt_ids],
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         seed=args.seed,
-        eos_ids=eos,
+        eos_token_id=eos,
+        max_concurrent=1,
+        cache_dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32,
     )
-    print(tokenizer.decode(out, skip_special_tokens=False))
+    print(tokenizer.decode(out.tokens, skip_special_tokens=False))
     return 0
