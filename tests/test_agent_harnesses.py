@@ -237,7 +237,7 @@ def test_scripted_agent_solves_the_example_tasks(harness, tokenizer):
             policy = ScriptedPolicy([f"bash -c {shlex.quote(script)}"], chat, harness=harness)
         result = run_task(
             task,
-            lambda t, sh, policy=policy: run_episode(t.prompt, policy, sh, chat, cfg, task_id=t.name),
+            lambda t, sh, policy=policy: run_episode(t.instruction, policy, sh, chat, cfg, task_id=t.name),
             SandboxConfig(),
         )
         traj = result.agent_output

@@ -67,7 +67,7 @@ def test_unsubmitted_episode_scores_zero_when_submit_is_required(tmp_path):
     for submit in (True, False):
         policy = ScriptedPolicy(solution_commands(task.solution.read_text()), chat, submit=submit)
         result = run_task(
-            task, lambda t, sh, p=policy: run_episode(t.prompt, p, sh, chat, cfg, task_id=t.name)
+            task, lambda t, sh, p=policy: run_episode(t.instruction, p, sh, chat, cfg, task_id=t.name)
         )
         assert result.reward == 1.0  # the file is right either way
         for required in (True, False):

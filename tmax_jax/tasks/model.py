@@ -84,10 +84,6 @@ class Task:
     solution_env: dict[str, str] = field(default_factory=dict)
     agent_env: dict[str, str] = field(default_factory=dict)
 
-    @property
-    def prompt(self) -> str:
-        return self.instruction
-
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.I)
 
