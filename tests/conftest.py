@@ -1,4 +1,7 @@
-"""Test-wide setup: 8 fake CPU devices for sharding tests, float32 matmuls, strict rank promotion.
+"""Test-wide setup: 8 fake CPU devices for sharding tests, fast compiles, float32 matmuls, strict rank
+promotion.
+
+Fast compiles: every JAX process of the suite compiles with LLVM at -O0 (tests/xla_flags.py).
 
 float32 matmuls: ``jax_default_matmul_precision`` is "float32" for the whole suite (below), so no
 TF32 / bf16 passes on an accelerator and references agree.
@@ -11,8 +14,10 @@ and MoE presets (test_rl_policy_head.py). Other tests run under JAX's default ("
 
 import os
 
-# Must be set before jax is imported anywhere in the test process.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from xla_flags import xla_flags  # tests/ is on sys.path (rootdir conftest)
+
+# Must be set before jax is imported anywhere in the test process (LLVM -O0: see xla_flags.py).
+os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+from xla_flags import xla_flags
 
 pytestmark = pytest.mark.slow
 
@@ -91,7 +92,7 @@ def _start(nproc: int, devices_per_process: int) -> list[subprocess.Popen]:
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
+        XLA_FLAGS=xla_flags(devices_per_process),
     )
     return [
         subprocess.Popen(

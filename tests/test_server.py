@@ -12,6 +12,7 @@ import urllib.request
 import numpy as np
 import pytest
 from helpers_hf import make_tiny_hf_checkpoint
+from xla_flags import xla_flags
 
 from tmax_jax.checkpoints import load_hf
 from tmax_jax.engine import Engine, Orchestrator, Request, SamplingParams
@@ -185,7 +186,7 @@ def test_malformed_requests_get_4xx_and_server_stays_up(served, route, raw, body
 
 def test_serve_command_serves_a_checkpoint(ckpt):
     port = 18000 + os.getpid() % 1000
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags())
     cmd = [sys.executable, "-m", "tmax_jax", "serve", "--checkpoint", str(ckpt), "--port", str(port),
            "--slots", "2", "--max-cache-length", "64", "--max-prefill-length", "32"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

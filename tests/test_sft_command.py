@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import yaml
 from helpers_hf import hf_logits, load_hf_torch
+from xla_flags import xla_flags
 
 from tmax_jax.agent.trajectory import Trajectory, read_jsonl, write_jsonl
 from tmax_jax.checkpoints import load_hf
@@ -50,7 +51,7 @@ def sft(root: Path, *args: str) -> dict:
     """``tmax-jax sft`` in a subprocess on one CPU device (a laptop's setup, and a cheaper compile than
     the test process's 8 fake devices); the runs share a compilation cache of their own, so only the
     first one compiles the SFT step (all use the same config, row shapes and learning rate)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ, XLA_FLAGS=xla_flags())
     env["JAX_COMPILATION_CACHE_DIR"] = str(root / "xla_cache")
     cmd = [sys.executable, "-m", "tmax_jax", "sft", "--checkpoint", str(root / "init"), *args]
     cmd += ["--config", str(root / "cfg.yaml"), "--lr", "3e-3", "--seq-len", str(SEQ_LEN), "--no-progress"]

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from xla_flags import xla_flags
 
 from tmax_jax.distributed import DistributedConfig, initialize
 from tmax_jax.errors import ConfigError
@@ -59,7 +60,7 @@ def free_port():
 
 def test_two_processes_build_one_global_batch():
     addr = f"127.0.0.1:{free_port()}"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(2))
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", CHILD, addr, str(i)],

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from harbor_helpers import write_harbor_task
 from train_helpers import ROOT
+from xla_flags import xla_flags
 
 pytestmark = pytest.mark.slow
 
@@ -83,7 +84,7 @@ def _free_port() -> int:
 
 def _launch(run_dir: Path, tasks: Path, logs: Path) -> list[subprocess.Popen]:
     addr = f"127.0.0.1:{_free_port()}"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(4))
     procs = []
     for pid in range(2):
         cmd = [sys.executable, "-m", "tmax_jax", "train", "configs/tiny-cpu.yaml", "--run-dir", str(run_dir)]

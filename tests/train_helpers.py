@@ -6,6 +6,8 @@ import os
 import sys
 from pathlib import Path
 
+from xla_flags import xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # A run that reaches its first RL step in a few CPU minutes: 1 SFT step, 2 x 2 episodes of at most
@@ -44,5 +46,5 @@ def train_cmd(run_dir: Path, *overrides: str) -> list[str]:
 
 def train_env() -> dict:
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's laptop
+    env["XLA_FLAGS"] = xla_flags()  # one CPU device, as a user's laptop
     return env
