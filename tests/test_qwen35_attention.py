@@ -33,15 +33,26 @@ def test_blocked_and_unblocked_attention_match_numpy_with_packing_and_padding():
     seg[1, 140:] = 0
     idx = jnp.broadcast_to(jnp.arange(T), (B, T))
 
-    def run(q, block):
-        return masked_attention(q, k, v, idx, seg, jnp.arange(T), seg, block=block)
+    def run(q, block, causal_self=False):
+        return masked_attention(q, k, v, idx, seg, jnp.arange(T), seg, block=block, causal_self=causal_self)
 
     full = np.asarray(run(q, 1024))
     np.testing.assert_allclose(full, numpy_attention(q, k, v, seg), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(run(q, 32)), full, atol=1e-6, rtol=1e-6)
+    # Causal self-attention skips the keys after each query block (blocks of 128: 128 + a ragged 22).
+    causal = np.asarray(run(q, 1024, causal_self=True))
+    np.testing.assert_allclose(causal, numpy_attention(q, k, v, seg), atol=1e-5, rtol=1e-5)
     g_full = jax.grad(lambda q: (run(q, 1024) ** 2).sum())(q)
     g_blk = jax.grad(lambda q: (run(q, 32) ** 2).sum())(q)
     np.testing.assert_allclose(np.asarray(g_blk), np.asarray(g_full), atol=1e-5, rtol=1e-5)
+    causal_loss = lambda q, k, v: (  # noqa: E731
+        masked_attention(q, k, v, idx, seg, jnp.arange(T), seg, causal_self=True) ** 2
+    ).sum()
+    dq, dk, dv = jax.grad(causal_loss, argnums=(0, 1, 2))(q, k, v)
+    dout = 2 * numpy_attention(q, k, v, seg)
+    _, (rq, rk, rv) = numpy_attention_and_grads(q, k, v, np.asarray(idx), seg, np.arange(T), seg, dout)
+    for name, got, want in zip("qkv", (dq, dk, dv), (rq, rk, rv)):
+        np.testing.assert_allclose(np.asarray(got), want, atol=5e-5, rtol=5e-5, err_msg=f"d{name}")
 
 
 def numpy_attention_and_grads(q, k, v, q_idx, q_seg, k_idx, k_seg, dout):
