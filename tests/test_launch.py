@@ -18,6 +18,8 @@ from tmax_jax.engine import Engine, Orchestrator, Request, SamplingParams
 from tmax_jax.errors import ConfigError
 from tmax_jax.rl.train_step import TrainStep, make_model
 from tmax_jax.sharding import MeshConfig, ProcessReplicas, make_mesh, param_shardings, shard_tree
+from tmax_jax.train.config import TrainConfig
+from tmax_jax.train.learner import Learner
 
 MESH = MeshConfig(data=1, fsdp=4, tensor=2)
 
@@ -193,6 +195,35 @@ def test_no_launch_bypasses_the_queue(serial_on, launch_guard, sharded_engine, t
     finally:
         launch_guard.checking = False
     assert launch_guard.bypasses == ["_generate_impl"]
+
+
+def test_learner_engine_copy_is_one_queued_program(serial_on, launch_guard, train_step, tmp_path):
+    """The weights the learner pushes to the engine are copied by one program of the launch queue
+    (not per-leaf eager copies under a lock the call site takes): same shardings, new buffers, and
+    still the old weights after the next step donates the train state."""
+    state = train_step.init_state(_fresh_params())
+    learner = Learner(TrainConfig(), train_step, None, state, start_step=0, run_dir=tmp_path)
+    learner.engine_params(as_state=False)  # compile outside the count
+    before = params_np(learner.state)
+    launch_guard.checking, launch_guard.launches, launch_guard.bypasses = True, 0, []
+    try:
+        copy = jax.block_until_ready(learner.engine_params(as_state=False))
+    finally:
+        launch_guard.checking = False
+    assert launch_guard.launches == 1 and launch_guard.bypasses == [], launch_guard.__dict__
+    src_leaves, copy_leaves = jax.tree.leaves(learner.state.params), jax.tree.leaves(copy)
+    assert len(src_leaves) == len(copy_leaves) > 0
+    for a, b in zip(src_leaves, copy_leaves):
+        assert b.sharding == a.sharding and len(b.sharding.device_set) == 8
+        mine = {s.data.unsafe_buffer_pointer() for s in a.addressable_shards}
+        assert mine.isdisjoint(s.data.unsafe_buffer_pointer() for s in b.addressable_shards)
+    learner.state, _ = train_step(learner.state, train_step.put_batch(on_policy_batch(seed=2)))
+    after = params_np(learner.state)
+    got = {"/".join(map(str, p)): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(copy)}
+    assert sorted(got) == sorted(before)
+    assert any(not np.array_equal(after[k], before[k]) for k in before)  # the step moved the params
+    for k in before:
+        np.testing.assert_array_equal(got[k], before[k], err_msg=k)
 
 
 def test_generation_during_training_matches_sequential(serial_on, sharded_engine, train_step):

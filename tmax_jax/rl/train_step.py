@@ -57,6 +57,10 @@ def make_model(model_cfg, *, remat: str = "full", dtype=jnp.float32, param_dtype
         )
 
 
+def _copy_tree(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
 class TrainStep:
     """One optimizer step per call: ``state, metrics = train_step(state, batch)``.
 
@@ -102,6 +106,8 @@ class TrainStep:
             donate_argnums=(0,),
         )
         self._init_opt = launch.jit(self.optimizer.init, out_shardings=self.opt_shardings)
+        # The engine's copy of the params (the step donates the state's own), made by one program.
+        self._copy_params = launch.jit(_copy_tree, out_shardings=self.param_shardings)
 
     # -- state --------------------------------------------------------------------------------------
     def init_state(self, params: nnx.State | None = None, *, seed: int = 0) -> TrainState:
@@ -120,6 +126,12 @@ class TrainStep:
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the train state (a restore target; allocates nothing)."""
         return abstract_train_state(self.optimizer, self._abstract_params, self.state_shardings)
+
+    def copy_params(self, params: nnx.State) -> nnx.State:
+        """A copy of ``params`` in new buffers with the same shardings, launched through the queue:
+        the weights the engine samples with stay valid after the next step donates the state."""
+        with jax.set_mesh(self.mesh):
+            return self._copy_params(params)
 
     def model(self, state: TrainState):
         """The nnx model with ``state``'s params (weight sync to the engine, HF export)."""

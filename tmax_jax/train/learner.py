@@ -12,13 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from tmax_jax.agent.trajectory import write_jsonl
 from tmax_jax.distributed import allgather_json
-from tmax_jax.launch import serial_launch
 from tmax_jax.launch import stats as launch_stats
 from tmax_jax.rl.packing import pad_rows_across_processes
 from tmax_jax.train.config import TrainConfig
@@ -51,9 +49,9 @@ class Learner:
     def engine_params(self, *, as_state: bool = True):
         """A copy of the current params for the engine (the train step donates its own); with
         several processes, this process's full copy (a collective: every process calls it)."""
+        # Both launch through the process's one launch queue themselves (no lock here).
         params = self.state.params
-        with serial_launch():
-            params = jax.tree.map(jnp.copy, params) if self.replicas is None else self.replicas(params)
+        params = self.train_step.copy_params(params) if self.replicas is None else self.replicas(params)
         if not as_state:
             return params
         return nnx.state(nnx.merge(self.train_step.graphdef, params, self.train_step.rest))
