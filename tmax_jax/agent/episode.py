@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+import numpy as np
+
 from tmax_jax.agent.chat import ChatFormatter
 from tmax_jax.agent.context import CONTEXT_EXHAUSTED, fit_observation
 from tmax_jax.agent.harness import HARNESSES, Harness, get_harness, shell_output
@@ -65,6 +67,9 @@ class Generation:
     logprobs: list[float]
     versions: list[int]
     finish_reason: str  # "stop" (end-of-turn token) or "length"
+    # MoE engines recording routing: int [len(tokens), layers, top_k], the experts each token was
+    # routed to when the engine fed it (-1 where not recorded); routing replay trains on them.
+    experts: np.ndarray | None = None
 
 
 class TurnGenerator(Protocol):
@@ -119,7 +124,9 @@ def run_episode(
                 break
             traj.append(new_ids, generated=False)
             gen = policy(new_ids, max_new_tokens=min(cfg.max_tokens_per_turn, budget))
-            traj.append(gen.tokens, generated=True, logprobs=gen.logprobs, versions=gen.versions)
+            traj.append(
+                gen.tokens, generated=True, logprobs=gen.logprobs, versions=gen.versions, experts=gen.experts
+            )
             traj.num_turns = turn + 1
             ended = bool(gen.tokens) and gen.tokens[-1] == chat.end_id
             reply = chat.decode(gen.tokens[:-1] if ended else gen.tokens)

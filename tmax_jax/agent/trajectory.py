@@ -3,7 +3,10 @@
 ``tokens`` is the conversation exactly as fed to the rollout engine. ``response_mask[i]`` is 1 exactly
 where token i was sampled by the policy (0 on prompt, tool output and template glue), and
 ``rollout_logprobs[i]`` / ``policy_versions[i]`` are the engine's logprob and weight version for
-that token (0.0 / -1 elsewhere).
+that token (0.0 / -1 elsewhere). MoE rollouts with routing recorded also keep ``routed_experts``
+(int16 ``[len(tokens), layers, top_k]``): the experts each token was routed to when the engine fed it
+back during decoding, -1 for tokens it prefilled (prompts, tool output, each turn's last token). It
+is a train input only: not written by ``to_json`` (it is ~``layers * top_k`` ints per token).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import dataclasses
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+import numpy as np
 
 from tmax_jax.errors import TmaxError
 
@@ -30,9 +35,15 @@ class Trajectory:
     finish_reason: str = ""
     messages: list[dict] = dataclasses.field(default_factory=list)
     info: dict = dataclasses.field(default_factory=dict)
+    routed_experts: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
 
-    def append(self, ids: Iterable[int], *, generated: bool, logprobs=None, versions=None) -> None:
+    def append(
+        self, ids: Iterable[int], *, generated: bool, logprobs=None, versions=None, experts=None
+    ) -> None:
+        """Add ``ids``; ``experts`` (generated ids of a routing-recording engine): their recorded
+        routing, ``[len(ids), layers, top_k]``."""
         ids = list(ids)
+        self._append_routing(len(ids), experts)
         self.tokens.extend(ids)
         self.response_mask.extend([1 if generated else 0] * len(ids))
         if generated:
@@ -46,6 +57,27 @@ class Trajectory:
         else:
             self.rollout_logprobs.extend([0.0] * len(ids))
             self.policy_versions.extend([-1] * len(ids))
+
+    def _append_routing(self, n: int, experts) -> None:
+        if experts is None:
+            if self.routed_experts is not None:
+                pad = np.full((n, *self.routed_experts.shape[1:]), -1, np.int16)
+                self.routed_experts = np.concatenate([self.routed_experts, pad])
+            return
+        experts = np.asarray(experts)
+        if experts.ndim != 3 or experts.shape[0] != n or not np.issubdtype(experts.dtype, np.integer):
+            raise TmaxError(
+                f"routed experts must be integer [tokens, layers, top_k] for {n} tokens, "
+                f"got {experts.dtype}{list(experts.shape)}"
+            )
+        if self.routed_experts is None:  # earlier tokens were never fed by a recording engine
+            self.routed_experts = np.full((len(self.tokens), *experts.shape[1:]), -1, np.int16)
+        elif self.routed_experts.shape[1:] != experts.shape[1:]:
+            raise TmaxError(
+                f"routed experts [layers, top_k] {list(experts.shape[1:])} differ from the "
+                f"trajectory's {list(self.routed_experts.shape[1:])}"
+            )
+        self.routed_experts = np.concatenate([self.routed_experts, experts.astype(np.int16)])
 
     @property
     def num_generated(self) -> int:
@@ -63,9 +95,15 @@ class Trajectory:
                 raise TmaxError(
                     f"trajectory {self.task_id}: {name} has {len(getattr(self, name))} entries, tokens {n}"
                 )
+        if self.routed_experts is not None and len(self.routed_experts) != n:
+            raise TmaxError(
+                f"trajectory {self.task_id}: routed_experts has {len(self.routed_experts)} rows, tokens {n}"
+            )
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(dataclasses.replace(self, routed_experts=None))
+        del out["routed_experts"]
+        return out
 
     @classmethod
     def from_json(cls, obj: dict) -> Trajectory:

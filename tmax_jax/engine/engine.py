@@ -174,6 +174,10 @@ class Engine(EngineAPI):
         if record_routing and not getattr(getattr(model, "config", None), "is_moe", False):
             raise ConfigError("Engine: record_routing needs a MoE model (num_experts > 0)")
         self.record_routing = bool(record_routing)
+        # (layers, top_k) of each token's recorded experts (DecodeBlock.experts); None without recording.
+        self.routing_shape = (
+            (model.config.num_hidden_layers, model.config.num_experts_per_tok) if record_routing else None
+        )
         self._graphdef, state = nnx.split(model)
         self._params = state
         self._version = 0

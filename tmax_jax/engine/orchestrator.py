@@ -63,6 +63,10 @@ class Completion:
     stop_string: str | None = None
     ttft_s: float = 0.0
     latency_s: float = 0.0
+    # Engines with record_routing (MoE): int16 [len(tokens), layers, top_k], the experts each MoE
+    # layer routed ``tokens[i]`` to when the engine fed it back; -1 for the last token (never fed in
+    # this turn). The first token's input (the prompt's last token) was prefilled: not recorded.
+    experts: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +82,12 @@ _DONE = object()
 class RequestHandle:
     """Returned by :meth:`Orchestrator.submit`: iterate for streamed tokens, ``result()`` to wait."""
 
-    def __init__(self, rid: int, request: Request):
+    def __init__(self, rid: int, request: Request, routing_shape: tuple[int, int] | None = None):
         self.id = rid
         self.request = request
+        # With routing recorded: experts[i] = the ids tokens[i] was routed to when fed ([layers, top_k]).
+        self.routing_shape = routing_shape
+        self.experts: list[np.ndarray] | None = None if routing_shape is None else []
         self._events: queue.Queue = queue.Queue()
         self._done = threading.Event()
         self._cancel = threading.Event()
@@ -115,9 +122,22 @@ class RequestHandle:
             stop_string=stop_string,
             ttft_s=(self.first_token_at or now) - self.submitted_at,
             latency_s=now - self.submitted_at,
+            experts=self._experts(),
         )
         self._done.set()
         self._events.put(_DONE)
+
+    def _experts(self) -> np.ndarray | None:
+        if self.experts is None:
+            return None
+        if self.tokens and len(self.experts) != len(self.tokens) - 1:
+            raise TmaxError(
+                f"request {self.id}: {len(self.experts)} routing records for {len(self.tokens)} tokens"
+            )
+        out = np.full((len(self.tokens), *self.routing_shape), -1, np.int16)
+        if self.experts:
+            out[: len(self.experts)] = np.stack(self.experts)
+        return out
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
@@ -186,6 +206,7 @@ class Orchestrator:
         self._live = True
         self._decode_state = engine.init_decode_state()
         self._slots: list[_Live | None] = [None] * engine.max_concurrent_decodes
+        self._routing_shape = getattr(engine, "routing_shape", None)
         self.steps = 0
         self._prefilling = 0
         self._error: BaseException | None = None
@@ -204,7 +225,7 @@ class Orchestrator:
         if not self._live:
             raise TmaxError("orchestrator is stopped")
         self._validate(request)
-        handle = RequestHandle(next(self._ids), request)
+        handle = RequestHandle(next(self._ids), request, self._routing_shape)
         try:
             self._requests.put(handle, block=block, timeout=timeout)
         except queue.Full:
@@ -506,7 +527,9 @@ class Orchestrator:
             longest = max(len(s.prompt) + len(s.handle.tokens) - 1 for s in self._slots if s is not None)
             params, version = eng.current_params()
             self._decode_state, block = eng.generate_block(params, self._decode_state, steps, longest)
-            tokens, valid, logprobs = jax.device_get((block.tokens, block.valid, block.log_prob))
+            tokens, valid, logprobs, experts = jax.device_get(
+                (block.tokens, block.valid, block.log_prob, block.experts)
+            )
             self.steps += steps
             for j in range(steps):
                 if all(s is None for s in self._slots):
@@ -518,6 +541,8 @@ class Orchestrator:
                         raise TmaxError(
                             f"slot {slot} was not decoding although request {live.handle.id} holds it"
                         )
+                    if experts is not None:  # step j fed the slot's previous token
+                        live.handle.experts.append(experts[j, slot].astype(np.int16))
                     live.handle._emit(int(tokens[j, slot]), float(logprobs[j, slot]), version)
                     cached = len(live.prompt) + len(live.handle.tokens) - 1
                     reason, stop_string = self._finish_reason(live, cached)

@@ -55,7 +55,11 @@ class EnginePolicy:
         self.context.extend(out.tokens)
         reason = "stop" if out.finish_reason == "stop" else "length"
         return Generation(
-            tokens=out.tokens, logprobs=out.logprobs, versions=out.versions, finish_reason=reason
+            tokens=out.tokens,
+            logprobs=out.logprobs,
+            versions=out.versions,
+            finish_reason=reason,
+            experts=out.experts,
         )
 
     def close(self) -> None:

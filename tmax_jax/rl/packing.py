@@ -14,6 +14,10 @@ Train batch (every field ``[B, T]``; B = rows, T = ``seq_len``):
 
 A trajectory of L tokens fills L - 1 positions: input i predicts token i + 1, so a target's mask and
 logprob are the trajectory's ``response_mask[i + 1]`` / ``rollout_logprobs[i + 1]``.
+
+MoE runs with routing replay add ``routed_experts`` (int16 ``[B, T, layers, top_k]``, see
+``routing_field``): the experts the rollout engine routed *input* i to, so it is the trajectory's
+``routed_experts[i]``; -1 where not recorded (prompt tokens, padding), which the train step re-routes.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ BATCH_FIELDS = (
     "advantages",
 )
 _INT_FIELDS = ("input_ids", "segment_ids", "positions", "targets")
+# The optional routing-replay field (the train step's ``routing_replay``); -1 = not recorded.
+ROUTING_FIELD = "routed_experts"
 
 
 class TrajectoryLike(Protocol):
@@ -145,6 +151,29 @@ def pack_trajectories(
     return batch, placement
 
 
+def routing_field(
+    trajectories: Sequence[TrajectoryLike],
+    placement: Sequence[tuple[int, int, int]],
+    shape: tuple[int, int],
+    routing_shape: tuple[int, int],
+) -> np.ndarray:
+    """The ``routed_experts`` field of a batch packed by ``pack_trajectories``: int16
+    ``[B, T, layers, top_k]``, each input token's recorded experts (a trajectory's
+    ``routed_experts``), -1 where none were recorded."""
+    out = np.full((*shape, *routing_shape), -1, np.int16)
+    for i, (tr, (row, start, n)) in enumerate(zip(trajectories, placement)):
+        rec = getattr(tr, "routed_experts", None)
+        if rec is None:
+            continue
+        if tuple(rec.shape) != (n + 1, *routing_shape):
+            raise ConfigError(
+                f"trajectory {i}: routed_experts has shape {list(rec.shape)}, expected "
+                f"[{n + 1} tokens, {routing_shape[0]} layers, top_k {routing_shape[1]}]"
+            )
+        out[row, start : start + n] = rec[:-1]
+    return out
+
+
 def pad_rows_pow2(batch: dict[str, np.ndarray], multiple: int) -> dict[str, np.ndarray]:
     """Pad a packed batch with empty rows to a power-of-two row count (also a multiple of
     ``multiple``), so a run compiles its step for a few row counts only."""
@@ -158,7 +187,14 @@ def _pad_rows_to(batch: dict[str, np.ndarray], target: int) -> dict[str, np.ndar
     rows = batch["input_ids"].shape[0]
     if target == rows:
         return batch
-    return {k: np.pad(v, ((0, target - rows), (0, 0))) for k, v in batch.items()}
+    return {
+        k: np.pad(
+            v,
+            [(0, target - rows)] + [(0, 0)] * (v.ndim - 1),
+            constant_values=-1 if k == ROUTING_FIELD else 0,
+        )
+        for k, v in batch.items()
+    }
 
 
 def pad_rows_across_processes(batch: dict[str, np.ndarray], rows_multiple: int) -> dict[str, np.ndarray]:

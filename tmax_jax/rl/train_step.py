@@ -23,15 +23,15 @@ from tmax_jax.rl.config import LossConfig, RLConfig
 from tmax_jax.rl.logprobs import token_logprobs
 from tmax_jax.rl.losses import combine_stats, finalize_stats, loss_normalizer, loss_terms
 from tmax_jax.rl.optim import learning_rate_schedule, make_optimizer
-from tmax_jax.rl.packing import BATCH_FIELDS, validate_batch
+from tmax_jax.rl.packing import BATCH_FIELDS, ROUTING_FIELD, validate_batch
 
 # Optional batch field: int32 [B, T], the learner's version minus the version that sampled each target
 # (< 0 where unknown or not generated). It feeds the mismatch / staleness metrics only; a batch
 # without it gets -1 everywhere.
 LAG_FIELD = "policy_lag"
-# Optional batch field of MoE runs with train_step.routing_replay: int16 [B, T, layers, top_k], the
-# expert ids the engine routed each input token to in each MoE layer (-1 where not recorded).
-ROUTING_FIELD = "routed_experts"
+# Optional batch field of MoE runs with train_step.routing_replay (ROUTING_FIELD, packing.py): int16
+# [B, T, layers, top_k], the expert ids the engine routed each input token to in each MoE layer (-1
+# where not recorded).
 # Per-expert router sums carried through micro-batches as stats (summed), reported as router/*.
 _ROUTER_STATS = ("router_tokens", "router_probs", "router_count")
 

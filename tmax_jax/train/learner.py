@@ -90,7 +90,7 @@ class Learner:
     def train_on(self, batch: RolloutBatch, step: int) -> dict:
         """Advantages over every process's episodes, this process's rows packed, one train step."""
         from tmax_jax.rl.advantages import group_advantages
-        from tmax_jax.rl.packing import pack_trajectories
+        from tmax_jax.rl.packing import ROUTING_FIELD, pack_trajectories, routing_field
         from tmax_jax.rl.train_step import LAG_FIELD, policy_lag
 
         cfg = self.cfg
@@ -151,6 +151,10 @@ class Learner:
         )
         # Per target, how many versions behind the learner it was sampled (mismatch vs staleness metrics).
         packed[LAG_FIELD] = policy_lag(mine_trajs, placement, packed["input_ids"].shape, step)
+        if self.train_step.routing_replay:  # the rollout engine's experts for the inputs it fed
+            packed[ROUTING_FIELD] = routing_field(
+                mine_trajs, placement, packed["input_ids"].shape, self.train_step.routing_shape
+            )
         packed = pad_rows_across_processes(packed, self.train_step.rows_multiple)
         t0 = time.monotonic()
         self.state, m = self.train_step(self.state, packed)

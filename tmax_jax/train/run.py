@@ -119,6 +119,7 @@ def build_run(cfg: TrainConfig, *, progress: bool = True) -> Run:
         cache_dtype=jnp.dtype(cfg.engine.cache_dtype),
         eos_token_ids=[chat.end_id],
         tokenizer=tokenizer,
+        record_routing=train_step.routing_replay,  # the experts the train step replays
     )
     learner.connect(engine)
     records = [{"task_id": str(i), "instruction": t.instruction} for i, t in enumerate(train_tasks)]
