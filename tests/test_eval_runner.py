@@ -176,15 +176,23 @@ def test_crashing_agent_is_an_error_not_a_failure(task_set, tmp_path):
     )
 
 
-def test_task_needing_internet_at_run_time_is_unavailable_offline(tmp_path):
+def test_task_allowing_internet_runs_offline_unless_a_script_downloads(tmp_path):
+    """``allow_internet = true`` is a permission: offline the task runs (its result notes it); a
+    download its verifier needs still makes it unavailable."""
     write_harbor_task(
+        tmp_path, "allowed", "net", "Make /app/x.", "FROM ubuntu:24.04\n", "true", {"solve.sh": "true\n"}
+    )
+    d = write_harbor_task(
         tmp_path, "fetch", "net", "Download the page.", "FROM ubuntu:24.04\n", "true", {"solve.sh": "true\n"}
     )
-    toml = tmp_path / "fetch" / "task.toml"
-    toml.write_text(toml.read_text().replace("allow_internet = false", "allow_internet = true"))
-    (task,) = find_eval_tasks(tmp_path)
-    assert not task.environment.available and "allow_internet" in task.environment.reason
-    assert find_eval_tasks(tmp_path, network=True)[0].environment.available
+    (d / "tests" / "test.sh").write_text("#!/bin/bash\ncurl -fsS https://example.com/page\n")
+    for name in ("allowed", "fetch"):
+        toml = tmp_path / name / "task.toml"
+        toml.write_text(toml.read_text().replace("allow_internet = false", "allow_internet = true"))
+    allowed, fetch = find_eval_tasks(tmp_path)
+    assert allowed.environment.available
+    assert not fetch.environment.available and "line 2 (curl)" in fetch.environment.reason
+    assert all(t.environment.available for t in find_eval_tasks(tmp_path, network=True))
 
 
 def test_bad_task_set_is_named(tmp_path):

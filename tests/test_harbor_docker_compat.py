@@ -242,6 +242,38 @@ def task_set(tmp_path_factory) -> Path:
         'python3 /app/main_s.py 2>/dev/null; rm -f /app/sib.py /app/main_s.py)" = 7 ]',
         {"solve.sh": "printf 'def add(a, b):\\n    return a + b\\n' > /app/calc/core.py\n"},
     )
+    # The base image's own empty dirs outside /usr and /etc: a service logging to /var/log without
+    # a mkdir (as a public task's solution does), /var/lib in a build step, /var/run -> /run; the
+    # host's /var is not shown (its /var/lib has entries).
+    write_harbor_task(
+        root,
+        "base-dirs",
+        "dockerfile",
+        "Start the service: log 'started' to /var/log/svc.log and its pid to /var/run/svc.pid.",
+        "FROM ubuntu:24.04\nRUN echo built > /var/log/build.log && mkdir /var/lib/app\nWORKDIR /app\n",
+        '[ "$(cat /var/log/svc.log 2>/dev/null)" = started ] && [ -s /run/svc.pid ] '
+        '&& [ "$(cat /var/log/build.log)" = built ] && [ "$(ls /var/lib)" = app ] && [ -d /var/cache ] '
+        "&& [ -d /var/spool ] && [ -d /mnt ] && [ -d /media ] && [ -d /srv ] && [ -L /var/lock ]",
+        {"solve.sh": "echo started > /var/log/svc.log && echo $$ > /var/run/svc.pid\n"},
+    )
+    # allow_internet = true alone (the boilerplate of public task.toml files), and a verifier whose
+    # download may fail (`|| true`): runs offline, noted in the result, never listed unavailable.
+    d = write_harbor_task(
+        root,
+        "internet-allowed",
+        "net",
+        "Create /app/done.",
+        "FROM ubuntu:24.04\nWORKDIR /app\n",
+        "[ -e /app/done ]",
+        {"solve.sh": "touch /app/done\n"},
+    )
+    test_sh = d / "tests" / "test.sh"
+    test_sh.write_text(
+        "#!/bin/bash\ncurl -fsS https://example.com/x -o /tmp/x 2>/dev/null || true\n"
+        + test_sh.read_text().split("\n", 1)[1]
+    )
+    toml = d / "task.toml"
+    toml.write_text(toml.read_text().replace("allow_internet = false", "allow_internet = true"))
     # A malformed task dir (task.toml is not TOML): listed as invalid, the others run.
     d = write_harbor_task(
         root, "broken-toml", "dockerfile", "x", "FROM ubuntu:24.04\n", "true", {"solve.sh": "true\n"}
@@ -252,10 +284,12 @@ def task_set(tmp_path_factory) -> Path:
 
 SCORED = (
     "add-archive",
+    "base-dirs",
     "env-path",
     "env-sections",
     "final-user",
     "heredoc",
+    "internet-allowed",
     "multi-stage",
     "python-m-cwd",
     "user-build",
@@ -278,12 +312,17 @@ def runs(task_set, tmp_path_factory):
 
 
 def test_docker_features_pass_with_solution_and_fail_without(runs):
-    _, oracle, noop, _ = runs
+    out, oracle, noop, _ = runs
     for name in SCORED:
         assert oracle[name]["status"] == "evaluated", (name, oracle[name])
         assert oracle[name]["passes"] == 1, (name, oracle[name])
         assert noop[name]["status"] == "evaluated" and noop[name]["passes"] == 0, (name, noop[name])
         assert noop[name]["mean_reward"] == 0.0
+    for agent in ("oracle", "noop"):
+        results = [json.loads(x) for x in (out / agent / "results.jsonl").read_text().splitlines()]
+        reasons = {r["task_id"]: r["reason"] for r in results}
+        assert "task.toml allows the internet; this run is offline" in reasons["internet-allowed"]
+        assert "allows the internet" not in reasons["base-dirs"]
 
 
 PODMAN_SKIPPED = {
@@ -466,6 +505,8 @@ def test_script_downloads_are_found(line, what):
         "git clone /srv/repo.git /tmp/r",
         "# pip install numpy (a comment)",
         "python3 -m pytest -q /tests/test_outputs.py",
+        "python3 -m pip install --break-system-packages -q pytest==9.0.3 2>/dev/null || true",
+        "apt-get install -y jq || :",
     ],
 )
 def test_offline_script_lines_are_not_flagged(line):

@@ -61,7 +61,15 @@ CAPS = (
     "CAP_MKNOD", "CAP_AUDIT_WRITE", "CAP_SETFCAP",
 )  # fmt: skip
 # Created in every sandbox's state, sticky and world-writable, as in a container.
-SCRATCH = ("/tmp", "/run", "/var/tmp")
+SCRATCH = ("/tmp", "/run", "/run/lock", "/var/tmp")
+# The empty directories every Debian/Ubuntu/python base image has outside /usr and /etc (root's,
+# 0755; /root 0700), so `cmd > /var/log/x.log` or `mkdir /var/lib/app` works as under Docker. The
+# host's own /var is never shown. /var/run and /var/lock link into /run, as in those images.
+SKELETON = (
+    "/var/log", "/var/lib", "/var/cache", "/var/spool", "/var/mail", "/var/opt", "/var/local",
+    "/var/backups", "/home", "/root", "/opt", "/srv", "/mnt", "/media",
+)  # fmt: skip
+SKELETON_LINKS = (("/run", "/var/run"), ("/run/lock", "/var/lock"))
 # Top-level names a verifier never takes from the agent's state (its own mounts, or the kernel's).
 _VERIFIER_OWN = frozenset({"proc", "dev", "sys", "tests", "logs"})
 # As host root, each sandbox's host-side mounts (its state tmpfs, and read-only binds of bind sources
@@ -181,6 +189,11 @@ class BwrapSandbox(Sandbox):
         for d in [*(self.state / p.lstrip("/") for p in SCRATCH), self._shm]:
             d.mkdir(parents=True, exist_ok=True)
             d.chmod(0o1777)
+        for p in SKELETON:
+            (self.state / p.lstrip("/")).mkdir(mode=0o700 if p == "/root" else 0o755, exist_ok=True)
+        for target, link in SKELETON_LINKS:
+            if not os.path.lexists(self.state / link.lstrip("/")):
+                os.symlink(target, self.state / link.lstrip("/"))
         if self.is_root:
             self._plan_overlays()
         if self.image.layer is not None:

@@ -77,6 +77,8 @@ def run_task(
     phases: dict[str, float] = {}
     files: dict[str, bytes] = {}  # filled by the verifier (issue 16: keep the evidence)
     notes = environment_notes(task)  # e.g. the base image's Python differs from the sandbox's
+    if task.limits.allow_internet and not cfg.network:
+        notes.append("task.toml allows the internet; this run is offline")
 
     def result(reward: float, reason: str, log: str = "", out=None) -> TaskResult:
         if notes:
