@@ -9,6 +9,7 @@ the routed work only (``tokens * top_k`` rows), not ``tokens * num_experts``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -86,21 +87,64 @@ def route(
     return probs_NxE, weights_NxK, experts_NxK
 
 
-def grouped_experts(x_NxD, experts_NxK, weights_NxK, w_gate_up_ExDx2xI, w_down_ExIxD):
-    """``sum_k weights[n, k] * SwiGLU_{experts[n, k]}(x[n])`` with grouped (ragged) matmuls."""
+# x^T @ dy summed within each group: [R, D] x [R, O] -> [G, D, O] (the weights' gradient).
+_GROUPED_WEIGHT_GRAD = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def grouped_matmul(x_RxD, w_GxDxO, group_sizes_G, dtype):
+    """``x[r] @ w[g(r)]`` for rows sorted by group, in ``dtype`` with float32 accumulation.
+
+    The weights (any dtype, e.g. float32 params) are cast to ``dtype`` here; their gradient is
+    summed over each group's rows in float32 and returned in the weights' own dtype, so a bfloat16
+    compute step never rounds a weight gradient to bfloat16. Autodiff of ``ragged_dot`` would
+    accumulate in the compute dtype (and mix float32 cotangents into the grouped matmuls)."""
+    return _grouped_matmul_fwd(x_RxD, w_GxDxO, group_sizes_G, dtype)[0]
+
+
+def _grouped_matmul_fwd(x_RxD, w_GxDxO, group_sizes_G, dtype):
+    y_RxO = jax.lax.ragged_dot(
+        x_RxD.astype(dtype), w_GxDxO.astype(dtype), group_sizes_G, preferred_element_type=f32
+    )
+    return y_RxO.astype(dtype), (x_RxD, w_GxDxO, group_sizes_G)
+
+
+def _grouped_matmul_bwd(dtype, res, dy_RxO):
+    x_RxD, w_GxDxO, group_sizes_G = res
+    dy_RxO = dy_RxO.astype(dtype)
+    w_GxOxD = jnp.swapaxes(w_GxDxO.astype(dtype), 1, 2)
+    dx_RxD = jax.lax.ragged_dot(dy_RxO, w_GxOxD, group_sizes_G, preferred_element_type=f32)
+    dw_GxDxO = jax.lax.ragged_dot_general(
+        x_RxD.astype(dtype), dy_RxO, group_sizes_G, _GROUPED_WEIGHT_GRAD, preferred_element_type=f32
+    )
+    return dx_RxD.astype(x_RxD.dtype), dw_GxDxO.astype(w_GxDxO.dtype), None
+
+
+grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+
+
+def grouped_experts(x_NxD, experts_NxK, weights_NxK, w_gate_up_ExDx2xI, w_down_ExIxD, dtype=None):
+    """``sum_k weights[n, k] * SwiGLU_{experts[n, k]}(x[n])`` with grouped (ragged) matmuls.
+
+    ``dtype`` (default ``x``'s): the compute dtype; the weights may be float32 params (cast inside
+    the grouped matmuls). Matmuls and the sum over the top-k slots accumulate in float32."""
+    dt = x_NxD.dtype if dtype is None else jnp.dtype(dtype)
     N, K = experts_NxK.shape
     E, D, _, I = w_gate_up_ExDx2xI.shape
     flat_e_R = experts_NxK.reshape(-1)  # R = N * K rows, row r = (token r // K, slot r % K)
     order_R = jnp.argsort(flat_e_R, stable=True)
     group_sizes_E = jnp.bincount(flat_e_R, length=E).astype(jnp.int32)
-    xs_RxD = jnp.take(x_NxD, order_R // K, axis=0)
-    gate_up_Rx2I = jax.lax.ragged_dot(xs_RxD, w_gate_up_ExDx2xI.reshape(E, D, 2 * I), group_sizes_E)
+    xs_RxD = jnp.take(x_NxD.astype(dt), order_R // K, axis=0)
+    gate_up_Rx2I = grouped_matmul(xs_RxD, w_gate_up_ExDx2xI.reshape(E, D, 2 * I), group_sizes_E, dt)
     gate_RxI, up_RxI = gate_up_Rx2I[:, :I], gate_up_Rx2I[:, I:]
-    out_RxD = jax.lax.ragged_dot(jax.nn.silu(gate_RxI) * up_RxI, w_down_ExIxD, group_sizes_E)
+    out_RxD = grouped_matmul(jax.nn.silu(gate_RxI) * up_RxI, w_down_ExIxD, group_sizes_E, dt)
     # Back to (token, slot) order through the inverse permutation: a gather, no scatter-add.
     inverse_R = jnp.argsort(order_R)
     out_NxKxD = jnp.take(out_RxD, inverse_R, axis=0).reshape(N, K, -1)
-    return jnp.einsum("nkd,nk->nd", out_NxKxD, weights_NxK.astype(out_NxKxD.dtype))
+    y_NxD = jnp.einsum("nkd,nk->nd", out_NxKxD, weights_NxK.astype(dt), preferred_element_type=f32)
+    return y_NxD.astype(dt)
 
 
 class SparseMoeBlock(nnx.Module):
@@ -143,11 +187,7 @@ class SparseMoeBlock(nnx.Module):
         # transformers rounds the renormalised weights to the activations' dtype before use.
         weights_NxK = weights_NxK.astype(dt)
         y_NxD = grouped_experts(
-            x_NxD,
-            experts_NxK,
-            weights_NxK,
-            self.gate_up_proj[...].astype(dt),
-            self.down_proj[...].astype(dt),
+            x_NxD, experts_NxK, weights_NxK, self.gate_up_proj[...], self.down_proj[...], dtype=dt
         )
         y_BxTxD = y_NxD.reshape(B, T, D)
         if self.has_shared:
