@@ -111,6 +111,11 @@ def _grouped_matmul_fwd(x_RxD, w_GxDxO, group_sizes_G, dtype):
     return y_RxO.astype(dtype), (x_RxD, w_GxDxO, group_sizes_G)
 
 
+def _varying(x) -> frozenset:
+    """The shard_map axes ``x`` varies over (empty outside shard_map)."""
+    return frozenset(jax.typeof(x).manual_axis_type.varying)
+
+
 def _grouped_matmul_bwd(dtype, res, dy_RxO):
     x_RxD, w_GxDxO, group_sizes_G = res
     dy_RxO = dy_RxO.astype(dtype)
@@ -119,7 +124,17 @@ def _grouped_matmul_bwd(dtype, res, dy_RxO):
     dw_GxDxO = jax.lax.ragged_dot_general(
         x_RxD.astype(dtype), dy_RxO, group_sizes_G, _GROUPED_WEIGHT_GRAD, preferred_element_type=f32
     )
-    return dx_RxD.astype(x_RxD.dtype), dw_GxDxO.astype(w_GxDxO.dtype), None
+    # Inside shard_map an input's gradient may vary over axes the input does not: the weights'
+    # over the data-parallel replicas of the experts, the rows' over a tensor-split intermediate
+    # axis (partial sums). It is summed over those axes.
+    return _sum_to(dx_RxD, x_RxD), _sum_to(dw_GxDxO, w_GxDxO), None
+
+
+def _sum_to(grad, primal):
+    extra = tuple(sorted(_varying(grad) - _varying(primal)))
+    if extra:
+        grad = jax.lax.psum(grad, extra)
+    return grad.astype(primal.dtype)
 
 
 grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
@@ -153,6 +168,9 @@ class SparseMoeBlock(nnx.Module):
         init = normal(cfg.initializer_range)
         self.dtype = dtype
         self.top_k = cfg.num_experts_per_tok
+        # Mesh axis the experts are split over for all-to-all dispatch (None: XLA partitions the
+        # grouped matmul from the weights' sharding, gathering experts as FSDP gathers weights).
+        self.expert_axis: str | None = None
         self.normalize = cfg.norm_topk_prob
         self.router = make_param(rngs, init, (D, E), ("embed", "expert_logits"), param_dtype, stack)
         # Gate and up projections of each expert side by side ([..., 0, :] gate, [..., 1, :] up): one
@@ -173,6 +191,21 @@ class SparseMoeBlock(nnx.Module):
             )
             self.shared_expert_gate = make_param(rngs, init, (D,), ("embed",), param_dtype, stack)
 
+    def _experts(self, x_NxD, experts_NxK, weights_NxK, dt):
+        """The routed experts' output: all-to-all dispatch over ``expert_axis`` when it is set and
+        the ambient mesh allows it (``moe_dispatch``), else one grouped matmul over all experts
+        (under a mesh, XLA partitions it from the weights' sharding)."""
+        w_gu, w_dn = self.gate_up_proj[...], self.down_proj[...]
+        if self.expert_axis is not None:
+            from tmax_jax.models.qwen35 import moe_dispatch as ep
+
+            mesh = jax.sharding.get_abstract_mesh()
+            if ep.expert_parallel_ok(mesh, self.expert_axis, x_NxD.shape[0], w_gu.shape[0]):
+                return ep.expert_parallel_experts(
+                    x_NxD, experts_NxK, weights_NxK, w_gu, w_dn, dtype=dt, axis=self.expert_axis
+                )
+        return grouped_experts(x_NxD, experts_NxK, weights_NxK, w_gu, w_dn, dtype=dt)
+
     def __call__(
         self, x_BxTxD: jax.Array, valid_BxT: jax.Array | None = None, replay_BxTxK: jax.Array | None = None
     ) -> tuple[jax.Array, RouterStats, jax.Array]:
@@ -186,9 +219,7 @@ class SparseMoeBlock(nnx.Module):
         probs_NxE, weights_NxK, experts_NxK = route(logits_NxE, self.top_k, self.normalize, replay_NxK)
         # transformers rounds the renormalised weights to the activations' dtype before use.
         weights_NxK = weights_NxK.astype(dt)
-        y_NxD = grouped_experts(
-            x_NxD, experts_NxK, weights_NxK, self.gate_up_proj[...], self.down_proj[...], dtype=dt
-        )
+        y_NxD = self._experts(x_NxD, experts_NxK, weights_NxK, dt)
         y_BxTxD = y_NxD.reshape(B, T, D)
         if self.has_shared:
             gate_BxT = jnp.einsum("btd,d->bt", x_BxTxD, self.shared_expert_gate[...].astype(dt))
