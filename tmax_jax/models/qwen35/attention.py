@@ -61,7 +61,7 @@ def _causal_unblocked(q_BxTxGxRxE, k_BxTxGxE, v_BxTxGxE, seg_BxT, block: int = C
                 q_BxTxGxRxE[:, start:end],
                 k_BxGxTxE[:, :, :end],
                 v_BxGxTxE[:, :, :end],
-                causal_TxS & same_BxTxS,
+                causal_TxS[None] & same_BxTxS,
             )
         )
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
