@@ -7,9 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from tmax_jax.engine import Engine, SamplingParams
 from tmax_jax.models.qwen35 import Qwen35Config
 from tmax_jax.rl import OptimizerConfig, RLConfig
+from tmax_jax.rl.logprobs import token_logprobs
 from tmax_jax.rl.packing import pack_trajectories
 from tmax_jax.rl.train_step import LAG_FIELD, TrainStep, make_model, policy_lag, with_lag_field
 from tmax_jax.sharding import MeshConfig, make_mesh
@@ -81,3 +84,61 @@ def test_same_version_tokens_show_numerics_only_and_stale_ones_show_staleness():
     np.testing.assert_allclose(m["staleness/off_policy_fraction"], (lag > 0).sum() / known, rtol=1e-6)
     np.testing.assert_allclose(m["staleness/lag_2_fraction"], (lag == 2).sum() / known, rtol=1e-6)
     np.testing.assert_allclose(m["staleness/lag_3+_fraction"], 0.0)
+
+
+def _engine_episode(engine, prompt, before, after, new_params=None):
+    """``before`` tokens, then (``new_params``: an in-flight update to version 1) ``after`` more, all
+    decoded on one cache; the trajectory with the engine's logprobs and the versions that sampled them."""
+    padded = np.zeros((16,), np.int32)
+    padded[: len(prompt)] = prompt
+    params = engine.load_params()
+    sp = SamplingParams(temperature=1.0, seed=5)
+    prefix, first = engine.prefill(
+        params=params, padded_tokens=jnp.asarray(padded), true_length=len(prompt), sampling_params=sp
+    )
+    toks, lps = [int(np.asarray(first.data)[0, 0])], [float(np.asarray(first.log_prob)[0, 0])]
+    versions = [engine.version]
+    state = engine.insert(prefix, engine.init_decode_state(), 0)
+    for _ in range(before + after - 1):
+        if new_params is not None and len(toks) == before:
+            engine.update_params(new_params, version=1)
+        state, res = engine.generate(engine.load_params(), state)
+        toks.append(int(np.asarray(res.data)[0, 0]))
+        lps.append(float(np.asarray(res.log_prob)[0, 0]))
+        versions.append(engine.version)
+    n = len(prompt)
+    return SimpleNamespace(
+        tokens=[*map(int, prompt), *toks],
+        response_mask=[0] * n + [1] * len(toks),
+        rollout_logprobs=[0.0] * n + lps,
+        policy_versions=[-1] * n + versions,
+    )
+
+
+def test_tokens_decoded_after_an_in_flight_update_are_not_same_version():
+    """A weight update between decode steps leaves the earlier tokens' cache from the old policy, so
+    the tokens sampled after it are not the new policy's own distribution: the trainer (new weights
+    over the whole context) disagrees with the engine far beyond numerics. ``policy_lag`` counts
+    them as lagging (staleness) rather than same-version (mismatch); an episode decoded wholly after
+    the update matches to float32 numerics and has lag 0."""
+    old, new = (make_model(Qwen35Config.preset("tiny"), remat="none", seed=s) for s in (0, 1))
+    engine = Engine(old, max_concurrent_decodes=1, max_cache_length=64, max_prefill_length=16)
+    prompt = np.asarray([3, 1, 4, 1, 5, 9, 2], np.int32)
+    mixed = _engine_episode(engine, prompt, 4, 4, new_params=nnx.state(new))
+    clean = _engine_episode(engine, prompt, 4, 4)  # the engine now holds version 1 from the start
+    assert mixed.policy_versions[-8:] == [0] * 4 + [1] * 4 and clean.policy_versions[-8:] == [1] * 8
+    gaps = []
+    for tr in (mixed, clean):
+        seq = jnp.asarray([tr.tokens], jnp.int32)
+        trainer = token_logprobs(
+            new.hidden_states(seq[:, :-1]), new.lm_head_weight(), seq[:, 1:], temperature=1.0
+        )
+        gaps.append(np.abs(np.asarray(trainer)[0, -4:] - np.asarray(tr.rollout_logprobs[-4:])).max())
+    assert gaps[0] > 1e-2 and gaps[1] < 1e-5, gaps  # stale cache vs numerics
+    batch, placement = pack_trajectories([mixed, clean], [1.0, 1.0], seq_len=SEQ, num_rows=2)
+    lag = policy_lag([mixed, clean], placement, batch["input_ids"].shape, learner_version=1)
+    (r0, s0, n0), (r1, s1, n1) = placement
+    np.testing.assert_array_equal(
+        lag[r0, s0 + n0 - 8 : s0 + n0], [1] * 8
+    )  # v0 tokens and v1 tokens on v0 cache
+    np.testing.assert_array_equal(lag[r1, s1 + n1 - 8 : s1 + n1], [0] * 8)

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from tmax_jax.engine import Engine, SamplingParams, sampling
 from tmax_jax.models.qwen35 import Qwen35Config
@@ -160,6 +161,50 @@ def test_model_logits_are_the_head_of_its_hidden_states(preset):
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 9)), jnp.int32)
     want = head_logits(model.hidden_states(ids), model.lm_head_weight())
     np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(want))
+
+
+def _grads_and_decode(preset: str):
+    """The head's parameter gradients on a row, and an engine's cached greedy decode of a prompt."""
+    model = make_model(Qwen35Config.preset(preset), remat="none", seed=5)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    ids = jnp.asarray(np.random.default_rng(2).integers(0, 256, (2, 10)), jnp.int32)
+
+    def loss(p):
+        m = nnx.merge(graphdef, p, rest)
+        hidden = m.hidden_states(ids[:, :-1])
+        return token_logprobs(hidden, m.lm_head_weight(), ids[:, 1:], temperature=0.7).sum()
+
+    grads = jax.jit(jax.grad(loss))(params)
+    engine = Engine(model, max_concurrent_decodes=2, max_cache_length=32, max_prefill_length=16)
+    padded = np.zeros((16,), np.int32)
+    padded[:7] = [5, 9, 2, 6, 5, 3, 5]
+    engine_params = engine.load_params()
+    prefix, first = engine.prefill(params=engine_params, padded_tokens=jnp.asarray(padded), true_length=7)
+    state = engine.insert(prefix, engine.init_decode_state(), 1)
+    tokens, lps = [np.asarray(first.data)[0, 0]], [np.asarray(first.log_prob)[0, 0]]
+    for _ in range(4):
+        state, res = engine.generate(engine_params, state)
+        tokens.append(np.asarray(res.data)[1, 0])
+        lps.append(np.asarray(res.log_prob)[1, 0])
+    flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(grads)}
+    return flat, np.asarray(tokens), np.asarray(lps)
+
+
+@pytest.mark.strict_ranks
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-moe"])
+def test_qwen3_and_moe_gradients_and_cached_decode_are_rank_strict(preset):
+    """Qwen3 dense and the MoE model (router, experts, shared expert) take their parameter gradients
+    and decode through the engine's cache without an implicit rank broadcast (the mark raises on
+    one), and give bit for bit what the same calls give under the default promotion."""
+    strict = _grads_and_decode(preset)
+    with jax.numpy_rank_promotion("allow"):
+        loose = _grads_and_decode(preset)
+    grads, tokens, lps = strict
+    assert sorted(grads) == sorted(loose[0]) and any(np.abs(g).max() > 0 for g in grads.values())
+    for k in grads:
+        np.testing.assert_array_equal(grads[k], loose[0][k], err_msg=k)
+    np.testing.assert_array_equal(tokens, loose[1])
+    np.testing.assert_array_equal(lps, loose[2])
 
 
 def engine_vs_trainer_gap(dtype, prompt_len=11, new_tokens=6, temperature=0.9, top_k=0, top_p=1.0):

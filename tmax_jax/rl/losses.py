@@ -276,8 +276,9 @@ def _shared_stats(logprobs, rollout_logprobs, mask, policy_lag):
     }
     if policy_lag is None:
         return stats
-    # Mismatch: tokens sampled by the very weights the learner holds (lag 0), so any difference
-    # is numerics (engine vs trainer), not staleness. KL(mu || pi) by the k3 estimator on mu's
+    # Mismatch: tokens sampled by the very weights the learner holds, over a context they computed
+    # (lag 0: no older policy sampled this token or one before it), so any difference is numerics
+    # (engine vs trainer), not staleness. KL(mu || pi) by the k3 estimator on mu's
     # samples: (r - 1) - log r >= 0 with r = pi / mu.
     same = mask * (policy_lag == 0)
     log_r = lp - rollout_logprobs

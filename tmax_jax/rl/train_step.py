@@ -25,8 +25,8 @@ from tmax_jax.rl.losses import combine_stats, finalize_stats, loss_normalizer, l
 from tmax_jax.rl.optim import learning_rate_schedule, make_optimizer
 from tmax_jax.rl.packing import BATCH_FIELDS, ROUTING_FIELD, validate_batch
 
-# Optional batch field: int32 [B, T], the learner's version minus the version that sampled each target
-# (< 0 where unknown or not generated). It feeds the mismatch / staleness metrics only; a batch
+# Optional batch field: int32 [B, T], the learner's version minus the oldest version that sampled each
+# target or a generated token before it (policy_lag(); < 0 where unknown or not generated). It feeds the mismatch / staleness metrics only; a batch
 # without it gets -1 everywhere.
 LAG_FIELD = "policy_lag"
 # Optional batch field of MoE runs with train_step.routing_replay (ROUTING_FIELD, packing.py): int16
@@ -324,12 +324,19 @@ def with_lag_field(batch: Mapping) -> dict:
 
 def policy_lag(trajectories, placement, shape, learner_version: int) -> np.ndarray:
     """The ``policy_lag`` field for a batch packed by ``pack_trajectories``: per target, the learner's
-    version minus the version that sampled it (``policy_versions``), -1 where not generated."""
+    version minus the oldest version that sampled it or any generated token before it in its
+    trajectory (``policy_versions``), -1 where not generated.
+
+    The oldest, not the target's own: after an in-flight weight update the engine keeps decoding on
+    the cache the older policy built, so a token stamped with the new version was not drawn from the
+    new policy's distribution over its context (tests/test_rl_learner_metrics.py measures the gap).
+    Only tokens of a context the learner's version computed throughout are same-version (lag 0)."""
     lag = np.full(shape, -1, np.int32)
     for tr, (row, start, n) in zip(trajectories, placement):
-        versions = np.asarray(getattr(tr, "policy_versions", None) or [-1] * len(tr.tokens), np.int64)[1:]
-        gen = np.asarray(tr.response_mask, bool)[1:] & (versions >= 0)
-        lag[row, start : start + n] = np.where(gen, learner_version - versions, -1)
+        versions = np.asarray(getattr(tr, "policy_versions", None) or [-1] * len(tr.tokens), np.int64)
+        gen = np.asarray(tr.response_mask, bool) & (versions >= 0)
+        oldest = np.minimum.accumulate(np.where(gen, versions, np.iinfo(np.int64).max))
+        lag[row, start : start + n] = np.where(gen, learner_version - oldest, -1)[1:]
     return lag
 
 
