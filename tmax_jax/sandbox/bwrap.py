@@ -62,14 +62,8 @@ CAPS = (
 )  # fmt: skip
 # Created in every sandbox's state, sticky and world-writable, as in a container.
 SCRATCH = ("/tmp", "/run", "/run/lock", "/var/tmp")
-# The empty directories every Debian/Ubuntu/python base image has outside /usr and /etc (root's,
-# 0755; /root 0700), so `cmd > /var/log/x.log` or `mkdir /var/lib/app` works as under Docker. The
-# host's own /var is never shown. /var/run and /var/lock link into /run, as in those images.
-SKELETON = (
-    "/var/log", "/var/lib", "/var/cache", "/var/spool", "/var/mail", "/var/opt", "/var/local",
-    "/var/backups", "/home", "/root", "/opt", "/srv", "/mnt", "/media",
-)  # fmt: skip
-SKELETON_LINKS = (("/run", "/var/run"), ("/run/lock", "/var/lock"))
+# The base image's empty directories and /run links (rootfs.py), made in every sandbox's state.
+SKELETON, SKELETON_LINKS = rootfs.SKELETON, rootfs.SKELETON_LINKS
 # Top-level names a verifier never takes from the agent's state (its own mounts, or the kernel's).
 _VERIFIER_OWN = frozenset({"proc", "dev", "sys", "tests", "logs"})
 # As host root, each sandbox's host-side mounts (its state tmpfs, and read-only binds of bind sources

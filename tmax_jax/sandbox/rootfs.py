@@ -18,6 +18,15 @@ from pathlib import Path
 from tmax_jax.errors import SandboxError
 
 SKIP_TOP = {"proc", "dev", "sys", "tmp", "run", "mnt", "media", "lost+found", "boot"}
+# The empty directories every Debian/Ubuntu/python base image has outside /usr and /etc (root's,
+# 0755; /root 0700), so `cmd > /var/log/x.log` or `mkdir /var/lib/app` works as under Docker. Every
+# sandbox has them (bwrap makes them in its state; the podman / apptainer base rootfs holds them);
+# the host's own /var is never shown. /var/run and /var/lock link into /run, as in those images.
+SKELETON = (
+    "/var/log", "/var/lib", "/var/cache", "/var/spool", "/var/mail", "/var/opt", "/var/local",
+    "/var/backups", "/home", "/root", "/opt", "/srv", "/mnt", "/media",
+)  # fmt: skip
+SKELETON_LINKS = (("/run", "/var/run"), ("/run/lock", "/var/lock"))
 # Image names in Dockerfiles / task.toml that map to the configured rootfs (no registry here).
 KNOWN_BASES = ("ubuntu", "debian", "python", "buildpack-deps", "alpine", "tmax-base", "localhost/tmax-base")
 # Registries that serve Docker Hub's official images under another prefix, and Terminal-Bench's own

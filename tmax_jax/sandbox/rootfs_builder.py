@@ -19,11 +19,13 @@ from pathlib import Path
 
 from tmax_jax.cache_publish import build_tree, check_tree, file_lock, lock_path, publish_tree
 from tmax_jax.errors import SandboxError
+from tmax_jax.sandbox.rootfs import SKELETON, SKELETON_LINKS
 
 ID_FILE = ".tmax-rootfs-id"
 # Bump when what the builder writes changes, so caches of the old layout are rebuilt.
 # 3: distributions' metadata (*.dist-info / *.egg-info) and console scripts in /usr/local/bin.
-ROOTFS_FORMAT = 3
+# 4: the base image's empty directories (/var/log, /var/lib, /opt, /srv, ...) and /var/run, /var/lock.
+ROOTFS_FORMAT = 4
 STDLIB_PROBE = "import importlib, json, encodings, email, sqlite3, ssl, pytest"
 
 TOOLS = (
@@ -142,8 +144,15 @@ def _write_host_rootfs(tmp: Path, python: str) -> None:
         "run",
         "var/tmp",
         "home",
+        "run/lock",
+        *(p.lstrip("/") for p in SKELETON),
     ):
         (tmp / d).mkdir(parents=True, exist_ok=True)
+    for p in SKELETON:  # explicit modes: the manifest records them, and umasks differ
+        os.chmod(tmp / p.lstrip("/"), 0o700 if p == "/root" else 0o755)
+    os.chmod(tmp / "run/lock", 0o1777)
+    for target, link in SKELETON_LINKS:
+        os.symlink(target, tmp / link.lstrip("/"))
     for name, target in (
         ("bin", "usr/bin"),
         ("sbin", "usr/sbin"),
