@@ -114,9 +114,11 @@ def _check_one(B, T, H, K, V, C, impls):
     ds = jnp.asarray(rng.normal(size=(B, H, K, V)), jnp.float32)
     res = {}
     for name, impl in impls.items():
+        t0 = time.perf_counter()
         fn = jax.jit(lambda *a, impl=impl: impl(*a, groups, C=C))
         (o, s), pull = jax.vjp(fn, q, k, v, g, beta, s0)
-        res[name] = [o, s, *pull((do, ds))]
+        res[name] = jax.block_until_ready([o, s, *pull((do, ds))])
+        say(f"[check] {name:11s} forward + VJP (compile and run) {time.perf_counter() - t0:.1f}s")
     worst = {}
     for name in res:
         if name == "jax":
@@ -143,7 +145,13 @@ def part_check(args):
     say(
         f"[check] backend {jax.default_backend()} ({jax.devices()[0].device_kind}); launcher {launcher}, interpret={interpret}"
     )
-    shapes = [(2, 100, 2, 16, 16, 16)] if args.smoke else [(2, 2048 + 37, 4, 128, 128, 64)]
+    # A small shape first: on an H200 (2026-12-04) the 2,085-token one did not finish in 80 s, and
+    # the per-implementation times below tell compile from run.
+    shapes = (
+        [(2, 100, 2, 16, 16, 16)]
+        if args.smoke
+        else [(1, 128 + 37, 1, 128, 128, 64), (2, 2048 + 37, 4, 128, 128, 64)]
+    )
     results = [attempt(f"check {shape}", _check_one, *shape, impls) for shape in shapes]
     for name in impls:
         if name == "jax":
@@ -292,12 +300,59 @@ def _train_one(args, cfg, step, holder, n_matmul, tokens, size):
     say(line + f"  peak memory so far {gib(peak_bytes())}")
 
 
+# ------------------------------------------------------------------------------------------------
+def part_engine(args):
+    """The rollout engine's decode on the device: a ``--size`` model in bfloat16 (weights and KV
+    cache), every slot holding the same 512-token prompt, ``decode_steps`` tokens per jitted block;
+    tokens/s and ms per step at each slot count (issue 17's 64 and 256 slots)."""
+    from tmax_jax.models.qwen35 import Qwen35Config
+    from tmax_jax.rl.train_step import make_model
+
+    size = "tiny" if args.smoke else args.size
+    plen, blocks = (32, 2) if args.smoke else (512, 8)
+    slot_counts = [4, 8] if args.smoke else [int(s) for s in args.slots.split(",")]
+    cfg = Qwen35Config.preset(size)
+    model = make_model(cfg, remat="none", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, plen).astype(np.int32)
+    say(f"[engine {size}] bf16 weights and cache, prompt {plen} tokens, {jax.devices()[0].device_kind}")
+    for slots in slot_counts:
+        attempt(f"engine {size} {slots}", _engine_one, model, prompt, slots, blocks, size)
+
+
+def _engine_one(model, prompt, slots, blocks, size):
+    from tmax_jax.engine import Engine
+
+    plen = len(prompt)
+    engine = Engine(
+        model, max_concurrent_decodes=slots, max_cache_length=plen + 512, max_prefill_length=plen,
+        cache_dtype=jnp.bfloat16, eos_token_ids=(),
+    )  # fmt: skip
+    params, state = engine.params, engine.init_decode_state()
+    t0 = time.perf_counter()
+    prefix, _ = engine.prefill(params=params, padded_tokens=prompt, true_length=plen, max_tokens=10**6)
+    state = engine.bulk_insert(prefix, state, list(range(slots)))
+    k = engine.decode_steps
+    state, blk = engine.generate_block(params, state, k, plen + k + 1)  # compile
+    jax.block_until_ready(blk.tokens)
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for b in range(blocks):
+        state, blk = engine.generate_block(params, state, k, plen + (b + 2) * k + 1)
+    jax.block_until_ready(blk.tokens)
+    step_s = (time.perf_counter() - t0) / (blocks * k)
+    say(
+        f"[engine {size}] {slots:4d} slots  first {first:6.1f}s  decode step {step_s * 1e3:7.2f} ms  "
+        f"{slots / step_s:9.0f} tok/s  peak memory so far {gib(peak_bytes())}"
+    )
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", required=True, choices=["check", "kernel", "train"])
+    ap.add_argument("--part", required=True, choices=["check", "kernel", "train", "engine"])
     ap.add_argument("--size", default="0.8b", help="train: a Qwen35Config preset")
     # 32K first: the issue's aim is the 2B step's MFU at 32K tokens, so a timeout loses the others.
     ap.add_argument("--tokens", default="32768,8192,65536", help="train: tokens per step (one row each)")
+    ap.add_argument("--slots", default="64,256", help="engine: slot counts")
     ap.add_argument(
         "--kernels", default="auto", choices=["auto", "jax", "pallas"], help="train: delta-rule path"
     )
@@ -309,7 +364,7 @@ def main():
     )
     args = ap.parse_args()
     say(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
-    {"check": part_check, "kernel": part_kernel, "train": part_train}[args.part](args)
+    {"check": part_check, "kernel": part_kernel, "train": part_train, "engine": part_engine}[args.part](args)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The accelerator check for issue 15, at most 8 minutes on one H200:
+# The accelerator check for issues 15 and 17, at most 9 minutes on one H200:
 #   1. the Pallas delta-rule kernels against the pure-JAX path on the device (values, VJP);
 #   2. the delta rule's ms, tokens/s, TFLOP/s and compiled temporaries, JAX path vs kernels (T=32K);
-#   3. 2B and 0.8B train steps at 32K, 8K and 64K tokens: tokens/s, MFU, peak device memory.
+#   3. 2B and 0.8B train steps at 32K, 8K and 64K tokens: tokens/s, MFU, peak device memory;
+#   4. the rollout engine's 0.8B bfloat16 decode at 64 and 256 slots: ms per step, tokens/s.
 # Each part runs in its own process under its own limit (a crash or hang loses only that part); the
-# limits add up to under 8 minutes with their kill grace.
+# limits add up to under 9 minutes with their kill grace.
 #   bash benchmarks/device_check.sh            # on the accelerator host
 #   bash benchmarks/device_check.sh --smoke    # tiny sizes on a CPU, to prove the script runs
 set -u
@@ -17,7 +18,7 @@ SMOKE=()
 SCALE=1
 if [ "${1:-}" = "--smoke" ]; then SMOKE=(--smoke); SCALE=3; fi  # 2 shared CPU cores compile slowly
 START=$SECONDS
-BUDGET=$((470 * SCALE))
+BUDGET=$((510 * SCALE))
 
 part() {
   local limit=$(( $1 * SCALE )); shift
@@ -32,8 +33,9 @@ part() {
 }
 
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-part 80 --part check
-part 90 --part kernel
-part 150 --part train --size 2b  # first: the issue's MFU aim is the 2B step at 32K tokens
-part 130 --part train --size 0.8b
+part 100 --part check
+part 120 --part kernel
+part 130 --part train --size 2b  # first: the issue's MFU aim is the 2B step at 32K tokens
+part 70 --part engine --size 0.8b  # issue 17: bf16 decode at 64 and 256 slots
+part 80 --part train --size 0.8b
 echo "=== device check done in $((SECONDS - START))s"

@@ -3,11 +3,15 @@
 - ``jax``: always the pure-JAX path (``tmax_jax.models.qwen35.delta_rule``).
 - ``pallas``: the Pallas kernels, Mosaic on TPU, Triton on GPU, interpret mode elsewhere (CPU: slow,
   for tests).
-- ``auto``: the kernels on TPU and GPU, the pure-JAX path on CPU.
+- ``auto``: the kernels on TPU, the pure-JAX path on GPU and CPU.
 
-The kernels have so far been checked in interpret mode and through Pallas's lowering only, never on a
-chip (``benchmarks/device_check.sh`` is that check): until it passes on a device, ``kernels: jax``
-is the known-good choice there.
+On a GPU the Triton kernels failed the device check (``benchmarks/device_check.sh`` on one H200,
+jax 0.11.2, 2026-12-04): compiling and running them once on a 2,085-token check did not finish
+within 80 s, and a 0.8B or 2B train step through them did not finish within 110 s / 150 s, while
+the JAX path ran the 2B step at 8,192 tokens in 1.5 s after a 64 s compile. ``auto`` therefore
+keeps GPUs on the JAX path; ``pallas`` still forces the kernels there. On TPU they have been
+checked in interpret mode and through Mosaic's lowering only, never on a chip; ``kernels: jax``
+(the model config's default) is the known-good choice until device_check passes there.
 
 The backend is read when the call is traced (``jax.default_backend()``), like the JAX path's matmul
 precision.
@@ -30,6 +34,8 @@ from tmax_jax.kernels.gated_delta_rule import pallas_chunked_gated_delta_rule
 
 KERNEL_CHOICES = ("auto", "jax", "pallas")
 _ACCELERATORS = ("tpu", "gpu")
+# Backends where ``auto`` picks the kernels (see the module docstring for why GPU is not one).
+_AUTO_KERNELS = ("tpu",)
 
 
 def check_kernels(kernels: str) -> str:
@@ -43,7 +49,7 @@ def resolve_kernels(kernels: str, backend: str | None = None) -> tuple[str, str 
     check_kernels(kernels)
     backend = jax.default_backend() if backend is None else backend
     on_accelerator = backend in _ACCELERATORS
-    if kernels == "jax" or (kernels == "auto" and not on_accelerator):
+    if kernels == "jax" or (kernels == "auto" and backend not in _AUTO_KERNELS):
         return "jax", None, False
     # Off an accelerator, interpret the TPU launcher: its one-chunk-per-grid-step form is the cheaper
     # one to interpret.

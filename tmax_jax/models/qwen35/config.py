@@ -63,8 +63,8 @@ class Qwen35Config:
     initializer_range: float = 0.02
     chunk_size: int = 64
     # Runtime choice, not an HF field: the delta rule's implementation (tmax_jax.kernels.dispatch).
-    # "jax" by default: "auto" picks the Pallas kernels on TPU/GPU, which have passed interpret-mode
-    # and lowering checks only; make "auto" the default once benchmarks/device_check.sh passes on chips.
+    # "jax" by default: "auto" picks the Pallas kernels on TPU, which have passed interpret-mode and
+    # lowering checks only (on an H200 the Triton ones failed device_check, so "auto" is JAX on GPU).
     kernels: str = "jax"
     bos_token_id: int | None = None
     eos_token_id: int | None = None
