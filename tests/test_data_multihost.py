@@ -154,7 +154,11 @@ def test_two_process_train_step_equals_one_process(runs):
             for k in s_ref:
                 np.testing.assert_allclose(s[k], s_ref[k], rtol=2e-5, atol=1e-6, err_msg=k)
         assert r["params"].keys() == single["params"].keys()
+        # Parameters after two AdamW steps (lr 3e-3): Adam divides each gradient by its own running
+        # scale, so an element whose gradient is near zero moves by up to ~lr on rounding alone when the
+        # all-reduce sums in another order (seen: 2.4e-6 on one leaf's sum on CI's CPU). A lost or
+        # doubled shard moves the sums by ~lr per element (1e-3 and more), far outside atol 2e-5.
         for name, ref in single["params"].items():
-            np.testing.assert_allclose(r["params"][name], ref, rtol=2e-5, atol=1e-6, err_msg=name)
+            np.testing.assert_allclose(r["params"][name], ref, rtol=2e-5, atol=2e-5, err_msg=name)
     # The steps did train: the loss moved between step 1 and step 2.
     assert single["steps"][0]["loss"] != single["steps"][1]["loss"]
