@@ -188,8 +188,10 @@ def format_plan(plan: MemoryPlan, cfg: TrainConfig) -> str:
 
     m = plan.mesh_shape
     ts = cfg.rl.train_step
+    shape = cfg.model.shape()
+    family = "Qwen3" if shape.family == "qwen3" else ("Qwen 3.5 MoE" if shape.is_moe else "Qwen 3.5")
     lines = [
-        f"memory plan: Qwen 3.5 {cfg.model.name} ({plan.num_params / 1e9:.2f}B params, "
+        f"memory plan: {family} {cfg.model.name} ({plan.num_params / 1e9:.2f}B params, "
         f"params {cfg.model.param_dtype}, compute {cfg.model.dtype})",
         f"mesh: data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']} over {math.prod(m.values())} "
         f"x {cfg.plan.device_name}",
