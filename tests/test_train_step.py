@@ -106,9 +106,16 @@ def test_eight_devices_match_one_device(step8, step1, batch):
     np.testing.assert_allclose(float(m8["grad_norm"]), float(m1["grad_norm"]), rtol=1e-4)
     p8, p1 = params_np(s8), params_np(s1)
     assert p8.keys() == p1.keys()
-    # Adam's first step is ~ lr * sign(g): elements with g ~ 0 amplify rounding, so allow lr / 30.
+    # Adam's first step is ~ lr * sign(g): an element whose gradient is near zero moves anywhere in
+    # [-lr, lr] on rounding alone when the shards sum in another order (CI saw 1 of 8192 elements of
+    # a leaf off by 2.0e-4). So: every element within lr / 30, except at most 0.1% of a leaf, and
+    # those within the 2 lr any single Adam step allows. A wrong reduction or a lost shard moves
+    # far more elements than that.
+    lr = RL.optimizer.learning_rate
     for k in p1:
-        np.testing.assert_allclose(p8[k], p1[k], rtol=1e-4, atol=1e-4, err_msg=k)
+        off = np.abs(p8[k] - p1[k]) > 1e-4 + 1e-4 * np.abs(p1[k])
+        assert off.sum() <= max(1, off.size // 1000), (k, int(off.sum()), off.size)
+        np.testing.assert_allclose(p8[k], p1[k], atol=2 * lr, err_msg=k)
     assert int(s8.step) == int(s1.step) == 1
     # The update really moved the weights (so the comparison above is not vacuous).
     p0 = {
