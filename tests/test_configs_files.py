@@ -86,6 +86,21 @@ def test_a_large_preset_needs_a_checkpoint(tmp_path):
         policy_checkpoint(cfg, tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("preset", "field", "want"), [("tiny-moe", "num_experts", 8), ("tiny-qwen3", "model_type", "qwen3")]
+)
+def test_tiny_presets_make_a_random_checkpoint_of_their_shape(tmp_path, preset, field, want):
+    """The demo runs on the tiny MoE and Qwen3 shapes too (routing replay, other families): train
+    writes a random checkpoint of the preset's shape that transformers' config reads back."""
+    from transformers import AutoConfig
+
+    cfg = load_train_config(None, {"model": {"preset": preset}})
+    path = policy_checkpoint(cfg, tmp_path)
+    hf = AutoConfig.from_pretrained(path)
+    assert getattr(hf, field) == want
+    assert hf.hidden_size == cfg.model.shape().hidden_size
+
+
 def test_checkpoint_must_have_the_planned_shape(tmp_path):
     from tmax_jax.models.qwen35 import Qwen35Config
 

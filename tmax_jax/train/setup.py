@@ -136,10 +136,11 @@ def policy_checkpoint(cfg: TrainConfig, run_dir: Path) -> Path:
         if cfg.model.preset or cfg.model.overrides:
             _check_shape(cfg, path)
         return path
-    if cfg.model.preset.lower() not in ("", "tiny"):
+    preset = cfg.model.preset.lower()
+    if preset not in ("", "tiny") and not preset.startswith("tiny-"):
         raise ConfigError(
             f"model.preset={cfg.model.preset!r} needs model.checkpoint (a Qwen 3.5 HF directory); "
-            "without one train only creates a random tiny model"
+            "without one train only creates a random tiny model (presets tiny, tiny-moe, tiny-qwen3)"
         )
     init = run_dir / "init"
     if not (init / "model.safetensors").is_file() and not (init / "model.safetensors.index.json").is_file():
