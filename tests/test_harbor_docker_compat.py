@@ -242,6 +242,20 @@ def task_set(tmp_path_factory) -> Path:
         'python3 /app/main_s.py 2>/dev/null; rm -f /app/sib.py /app/main_s.py)" = 7 ]',
         {"solve.sh": "printf 'def add(a, b):\\n    return a + b\\n' > /app/calc/core.py\n"},
     )
+    # A command the task's own build put on PATH, which the instruction asks the agent to fix (a public
+    # task's wrapper script): task content, as under Docker, not the verifier's toolchain.
+    write_harbor_task(
+        root,
+        "task-command",
+        "dockerfile",
+        "Fix /usr/local/bin/greet so that it prints hello.",
+        "FROM python:3.11-slim\nRUN printf '#!/bin/sh\\necho broken\\n' > /usr/local/bin/greet "
+        "&& chmod 0644 /usr/local/bin/greet\nWORKDIR /app\n",
+        '[ "$(greet 2>/dev/null)" = hello ]',
+        {
+            "solve.sh": "printf '#!/bin/sh\\necho hello\\n' > /usr/local/bin/greet && chmod 0755 /usr/local/bin/greet\n"
+        },
+    )
     # The base image's own empty dirs outside /usr and /etc: a service logging to /var/log without
     # a mkdir (as a public task's solution does), /var/lib in a build step, /var/run -> /run; the
     # host's /var is not shown (its /var/lib has entries).
@@ -292,6 +306,7 @@ SCORED = (
     "internet-allowed",
     "multi-stage",
     "python-m-cwd",
+    "task-command",
     "user-build",
     "verifier-files",
 )

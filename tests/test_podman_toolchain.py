@@ -84,6 +84,33 @@ def test_each_toolchain_change_is_found(layers, rel):
     assert reason is not None and TAMPERED[rel] in reason, reason
 
 
+def test_a_command_the_tasks_own_build_made_is_task_content(tmp_path):
+    """A wrapper the task's Dockerfile put on PATH (which its instruction may ask the agent to fix) may
+    change, as under Docker; a harness command the build installed (pytest's console script, python,
+    a stand-in for a base command) may not."""
+    layer, base, upper = tmp_path / "layer", tmp_path / "base", tmp_path / "upper"
+    for rel in ("usr/bin/python3", "usr/bin/bash", "usr/bin/grep"):
+        _put(base, rel)
+    _put(layer, "usr/local/bin/greet", "#!/bin/sh\necho broken\n")
+    _put(
+        layer, "usr/local/bin/runner", "#!/usr/bin/python3\nfrom pytest import console_main\nconsole_main()\n"
+    )
+    _put(layer, "usr/local/bin/python3.12", "x")
+    _put(layer, "usr/local/bin/grep", "x")
+    lowers = [str(layer), str(base)]
+    upper.mkdir()
+    _put(upper, "usr/local/bin/greet", "#!/bin/sh\necho fixed\n")
+    assert scan(upper, lowers) is None
+    for rel, why in (
+        ("usr/local/bin/runner", "/usr/local/bin/runner (a command of the image) was changed"),
+        ("usr/local/bin/python3.12", "/usr/local/bin/python3.12 (a command of the image) was changed"),
+        ("usr/local/bin/grep", "/usr/local/bin/grep (a command of the image) was changed"),
+    ):
+        _put(upper, rel, "#!/bin/sh\necho 1 > /logs/verifier/reward.txt\n")
+        assert why in (scan(upper, lowers) or ""), rel
+        (upper / rel).unlink()
+
+
 def test_pytest_plugin_entry_point_is_found(layers):
     upper, lowers = layers
     _put(

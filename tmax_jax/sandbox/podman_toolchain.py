@@ -120,6 +120,21 @@ class _Image:
     def has(self, rel: str) -> bool:
         return any(os.path.lexists(os.path.join(lo, rel)) for lo in self.lowers)
 
+    def in_base(self, rel: str) -> bool:
+        """Whether ``rel`` is in the base (the last, bottom lower: the rootfs the task's own build
+        steps were replayed on), not only in a layer the task's Dockerfile made."""
+        return bool(self.lowers) and os.path.lexists(os.path.join(self.lowers[-1], rel))
+
+    def base_commands(self) -> set[str]:
+        """The commands on the verifier's PATH in the base alone."""
+        out: set[str] = set()
+        for d in PATH_DIRS:
+            try:
+                out.update(os.listdir(os.path.join(self.lowers[-1], d)) if self.lowers else ())
+            except OSError:
+                pass
+        return out
+
     def commands(self) -> set[str]:
         if self._cmds is None:
             self._cmds = set()
@@ -130,6 +145,26 @@ class _Image:
                     except OSError:
                         pass
         return self._cmds
+
+
+# Commands a verifier's harness starts (test.sh's interpreter, pytest and its runners); a task's
+# build may install them into its own layer (``pip install pytest`` writes /usr/local/bin/pytest).
+_HARNESS_NAMES = re.compile(
+    r"^(python[\d.]*(-config)?|pip[\d.]*|pytest|py\.test|bash|sh|dash|env|uv|uvx|node|npm|npx|"
+    r"timeout|tee|cat|echo|test|\[)$"
+)
+
+
+def _harness_command(name: str, rel: str, image: _Image) -> bool:
+    """Whether a command made by the task's build is part of the verifier's harness: a known name,
+    or a console script that starts pytest or its plugins."""
+    if _HARNESS_NAMES.match(name):
+        return True
+    for lo in image.lowers[:-1]:
+        head = _read_small(os.path.join(lo, rel), 4096)
+        if b"pytest" in head or b"pluggy" in head:
+            return True
+    return False
 
 
 def _path_dir_of(rel: str) -> str | None:
@@ -196,7 +231,14 @@ def _static_reason(rel: str, kind: str, full: str, image: _Image) -> str | None:
     if pdir:
         name = rel.rsplit("/", 1)[1]
         if image.has(rel):
-            return f"{where} (a command of the image) was {'removed' if kind == 'whiteout' else 'changed'}"
+            # A command only the task's own build made (a wrapper script the instruction may ask
+            # the agent to fix) is task content, as under Docker, unless the verifier's harness
+            # starts it or it stands in for a command of the base.
+            if image.in_base(rel) or name in image.base_commands() or _harness_command(name, rel, image):
+                return (
+                    f"{where} (a command of the image) was {'removed' if kind == 'whiteout' else 'changed'}"
+                )
+            return None
         if kind != "whiteout" and name in image.commands():
             return f"{where} shadows the image's {name!r} on the verifier's PATH"
         if name == "pyvenv.cfg" or name.endswith("._pth"):
