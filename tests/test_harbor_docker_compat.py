@@ -256,6 +256,23 @@ def task_set(tmp_path_factory) -> Path:
             "solve.sh": "printf '#!/bin/sh\\necho hello\\n' > /usr/local/bin/greet && chmod 0755 /usr/local/bin/greet\n"
         },
     )
+    # `pytest --ctrf /logs/verifier/ctrf.json`, as most Terminal-Bench 2 verifiers run it, with the
+    # plugin their Dockerfile would pip-install absent (offline): the verifier's own --ctrf plugin
+    # writes the report, and the test decides the reward.
+    d = write_harbor_task(
+        root,
+        "ctrf",
+        "evidence",
+        "Write 42 into /app/answer.txt.",
+        "FROM python:3.11-slim\nWORKDIR /app\n",
+        "python3 -m pytest -q -p no:cacheprovider --ctrf /logs/verifier/ctrf.json /tests/test_answer.py",
+        {"solve.sh": "echo 42 > /app/answer.txt\n"},
+    )
+    (d / "tests" / "test_answer.py").write_text(
+        "import pytest\n\n\ndef test_answer():\n    assert open('/app/answer.txt').read().strip() == '42'\n\n\n"
+        "def test_exists():\n    import os\n\n    assert os.path.exists('/app/answer.txt')\n\n\n"
+        "@pytest.mark.skip(reason='not this one')\ndef test_skipped():\n    pass\n"
+    )
     # The base image's own empty dirs outside /usr and /etc: a service logging to /var/log without
     # a mkdir (as a public task's solution does), /var/lib in a build step, /var/run -> /run; the
     # host's /var is not shown (its /var/lib has entries).
@@ -298,6 +315,7 @@ def task_set(tmp_path_factory) -> Path:
 
 SCORED = (
     "add-archive",
+    "ctrf",
     "base-dirs",
     "env-path",
     "env-sections",
@@ -324,6 +342,22 @@ def runs(task_set, tmp_path_factory):
         task_set, NoopAgent(), out / "noop", EvalConfig(concurrency=2), sandbox_cfg=cfg, log=quiet
     )
     return out, {r["task_id"]: r for r in oracle["tasks"]}, {r["task_id"]: r for r in noop["tasks"]}, oracle
+
+
+def test_ctrf_report_is_written_and_kept(runs):
+    out, *_ = runs
+    for agent, passed, failed in (("oracle", 2, 0), ("noop", 0, 2)):
+        report = out / agent / "tasks" / "ctrf" / "attempt-0" / "verifier" / "ctrf.json"
+        doc = json.loads(report.read_text())["results"]
+        assert doc["tool"]["name"] == "pytest"
+        want = {"tests": 3, "passed": passed, "failed": failed, "skipped": 1}
+        assert {k: doc["summary"][k] for k in want} == want, (agent, doc["summary"])
+        status = {t["name"].rsplit("::", 1)[1]: t["status"] for t in doc["tests"]}
+        assert status == {
+            "test_answer": "passed" if passed else "failed",
+            "test_exists": "passed" if passed else "failed",
+            "test_skipped": "skipped",
+        }
 
 
 def test_docker_features_pass_with_solution_and_fail_without(runs):

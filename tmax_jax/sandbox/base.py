@@ -50,6 +50,12 @@ VERIFIER_ENV = {
     "PYTHONUSERBASE": VERIFIER_PYTHON_DIR,
     "PYTHONDONTWRITEBYTECODE": "1",
 }
+# The verifier's own pytest plugin (``_CTRF_PLUGIN``), for tests that ask for ``--ctrf``: most
+# Terminal-Bench 2 verifiers run `pytest --ctrf /logs/verifier/ctrf.json`, whose plugin their
+# Dockerfile pip-installs; offline, or on bwrap's read-only host Python, it is missing and pytest
+# would refuse the option. On PYTHONPATH rather than the user site, which virtualenvs skip.
+VERIFIER_PLUGIN_DIR = f"{VERIFIER_PYTHON_DIR}/plugins"
+VERIFIER_PLUGIN_ENV = {"PYTHONPATH": VERIFIER_PLUGIN_DIR, "PYTEST_PLUGINS": "tmax_ctrf"}
 
 _USERCUSTOMIZE = """\
 # Written by tmax-jax for the verifier: the directory Python would have put first on sys.path
@@ -65,14 +71,94 @@ del _os, _sys, _a, _d
 """
 
 
-def write_verifier_python(tests_copy: Path) -> None:
+# ``--ctrf PATH``: a Common Test Report Format JSON of the session (the summary and each test's
+# status and duration), as the pytest-json-ctrf plugin writes it. When that plugin is installed
+# and loaded first (an image built with it, autoload on), it owns the option and this one stands down.
+_CTRF_PLUGIN = """\
+# Written by tmax-jax for the verifier: pytest's --ctrf report (see tmax_jax/sandbox/base.py).
+import json
+import os
+import time
+
+_state = {"on": False, "start": None, "tests": {}}
+
+
+def pytest_addoption(parser):
+    try:
+        parser.getgroup("ctrf").addoption(
+            "--ctrf", action="store", dest="tmax_ctrf_path", default=None,
+            help="write a CTRF JSON report of the session to this path",
+        )
+        _state["on"] = True
+    except ValueError:  # the real pytest-json-ctrf registered --ctrf first
+        pass
+
+
+def pytest_sessionstart(session):
+    _state["start"] = int(time.time() * 1000)
+
+
+def pytest_runtest_logreport(report):
+    if not _state["on"]:
+        return
+    t = _state["tests"].setdefault(report.nodeid, {"name": report.nodeid, "status": "passed", "duration": 0})
+    t["duration"] += int(round(report.duration * 1000))
+    if report.failed:
+        t["status"] = "failed"
+    elif report.skipped and t["status"] == "passed":
+        t["status"] = "skipped"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = _state["on"] and session.config.getoption("tmax_ctrf_path", None)
+    if not path:
+        return
+    tests = list(_state["tests"].values())
+    count = lambda s: sum(t["status"] == s for t in tests)
+    summary = {
+        "tests": len(tests), "passed": count("passed"), "failed": count("failed"),
+        "skipped": count("skipped"), "pending": 0, "other": 0,
+        "start": _state["start"] or int(time.time() * 1000), "stop": int(time.time() * 1000),
+    }
+    doc = {"results": {"tool": {"name": "pytest"}, "summary": summary, "tests": tests}}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+"""
+
+
+def _asks_for_ctrf(tests_copy: Path) -> bool:
+    """Whether a shell script of the tests passes ``--ctrf`` (to pytest)."""
+    for p in Path(tests_copy).rglob("*.sh"):
+        try:
+            if (
+                p.is_file()
+                and not p.is_symlink()
+                and p.stat().st_size < (1 << 20)
+                and b"--ctrf" in p.read_bytes()
+            ):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def write_verifier_python(tests_copy: Path) -> dict[str, str]:
     """Put the verifier's ``usercustomize`` into the copy of the tests that becomes /tests (one per
-    Python minor version the base may run, since the user site's path names it)."""
+    Python minor version the base may run, since the user site's path names it), and its ``--ctrf``
+    pytest plugin when the tests use that option. Returns what the verifier's environment adds for
+    them (``VERIFIER_PLUGIN_ENV``, or nothing)."""
     base = Path(tests_copy) / Path(VERIFIER_PYTHON_DIR).relative_to("/tests")
     for minor in range(6, 20):
         site = base / "lib" / f"python3.{minor}" / "site-packages"
         site.mkdir(parents=True, exist_ok=True)
         (site / "usercustomize.py").write_text(_USERCUSTOMIZE)
+    if not _asks_for_ctrf(tests_copy):
+        return {}
+    plugins = Path(tests_copy) / Path(VERIFIER_PLUGIN_DIR).relative_to("/tests")
+    plugins.mkdir(parents=True, exist_ok=True)
+    (plugins / "tmax_ctrf.py").write_text(_CTRF_PLUGIN)
+    return dict(VERIFIER_PLUGIN_ENV)
 
 
 # Variables that change how a shell or Python starts, or what it loads: never taken from the image

@@ -532,7 +532,7 @@ class BwrapSandbox(Sandbox):
         cg = None
         try:
             shutil.copytree(tests_dir, tests, symlinks=True)
-            write_verifier_python(tests)
+            plugin_env = write_verifier_python(tests)
             tests.chmod(0o755)
             (logs / "verifier").mkdir(parents=True)
             self._give_to_sandbox(vdir)
@@ -545,7 +545,9 @@ class BwrapSandbox(Sandbox):
                 + self._enter(("user", "net"))
                 + ["bwrap", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
                 + self._verifier_tree(tests, logs)
-                + self._command(self.verifier_environment(env), "/tests", list(argv))
+                + self._command(
+                    self.verifier_environment({**plugin_env, **(env or {})}), "/tests", list(argv)
+                )
             )
             shadow = podman_toolchain.shadow_scan(self.state)
             if shadow:

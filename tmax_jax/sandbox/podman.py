@@ -357,7 +357,7 @@ class PodmanSandbox(Sandbox):
         vdir = self.run_dir / f"verify-{self._verifies}"
         tests, logs = vdir / "tests", vdir / "logs"
         shutil.copytree(tests_dir, tests, symlinks=True)
-        write_verifier_python(tests)
+        env = {**write_verifier_python(tests), **(env or {})}
         logs.mkdir()
         # Owned by the container's root (a mapped uid), so that the verifier may write both.
         _chown_tree(vdir, ID_BASE, ID_BASE)
