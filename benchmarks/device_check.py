@@ -301,6 +301,94 @@ def _train_one(args, cfg, step, holder, n_matmul, tokens, size):
 
 
 # ------------------------------------------------------------------------------------------------
+def summarize_trace(trace_dir: str, top: int = 25) -> list[str]:
+    """Lines: the busiest operations of a ``jax.profiler`` trace, by summed duration, per device (the
+    GPU's kernels; on a CPU host, XLA's thunks), with their share of that device's busy time."""
+    import glob
+    import gzip
+    import json
+
+    paths = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))
+    if not paths:
+        return [f"no perfetto trace under {trace_dir}"]
+    doc = json.load(gzip.open(paths[-1]))
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    proc = {
+        e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    devices = {pid for pid, name in proc.items() if "/device:" in name}
+    host_ops = {pid for pid, name in proc.items() if "/host:CPU" in name} if not devices else set()
+    sums: dict[tuple[str, str], float] = {}
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") not in devices | host_ops:
+            continue
+        name = e.get("name", "?")
+        if not devices and (name.startswith("$") or "::" in name or name.startswith("Pjit")):
+            continue  # host Python frames and runtime bookkeeping, not operations
+        args = e.get("args") or {}
+        label = args.get("hlo_op") or args.get("long_name") or name
+        key = (proc[e["pid"]], str(label)[:90])
+        sums[key] = sums.get(key, 0.0) + float(e.get("dur", 0.0))
+    lines = []
+    for dev in sorted({k[0] for k in sums}):
+        total = sum(v for k, v in sums.items() if k[0] == dev)
+        lines.append(f"{dev}: {total / 1e3:.1f} ms of operations")
+        rows = sorted(((v, k[1]) for k, v in sums.items() if k[0] == dev), reverse=True)[:top]
+        lines += [f"  {v / 1e3:9.2f} ms {v / total:6.1%}  {name}" for v, name in rows]
+    return lines
+
+
+def part_profile(args):
+    """One ``--size`` train step at the first of ``--tokens`` under ``jax.profiler``: the operations
+    that take its time (where the MFU goes). The trace is copied to $OUT when that is set."""
+    import shutil
+    import tempfile
+
+    from bench_train_step import make_batch
+
+    from tmax_jax.models.qwen35 import Qwen35Config
+    from tmax_jax.rl import OptimizerConfig, RLConfig
+    from tmax_jax.rl.train_step import TrainStep, make_model
+    from tmax_jax.sharding import MeshConfig, make_mesh
+
+    size = "tiny" if args.smoke else args.size
+    tokens = 128 if args.smoke else int(args.tokens.split(",")[0])
+    cfg = dataclasses.replace(Qwen35Config.preset(size), kernels=args.kernels)
+    mesh_cfg = MeshConfig(data=1, fsdp=-1, tensor=1)
+    step = TrainStep(
+        make_model(cfg, remat="full", dtype=jnp.bfloat16),
+        RLConfig(optimizer=OptimizerConfig(learning_rate=1e-6)),
+        make_mesh(mesh_cfg, jax.devices()[:1]),
+        mesh_cfg,
+    )
+    state = step.init_state()
+    batch = step.put_batch(make_batch(cfg, 1, tokens))
+    state, m = step(state, batch)  # compile
+    jax.block_until_ready(m["loss"])
+    trace_dir = tempfile.mkdtemp(prefix="tmax-profile-")
+    t0 = time.perf_counter()
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        state, m = step(state, batch)
+        jax.block_until_ready(m["loss"])
+    say(
+        f"[profile {size}] {tokens} tokens, kernels={cfg.kernels}: one traced step {time.perf_counter() - t0:.2f}s"
+    )
+    for line in summarize_trace(trace_dir):
+        say(f"[profile {size}] {line}")
+    out = os.environ.get("OUT")
+    if out:
+        for p in glob_traces(trace_dir):
+            if os.path.getsize(p) < 15 << 20:
+                shutil.copy(p, os.path.join(out, f"profile-{size}-{tokens}.json.gz"))
+
+
+def glob_traces(trace_dir):
+    import glob
+
+    return glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+
+
+# ------------------------------------------------------------------------------------------------
 def part_engine(args):
     """The rollout engine's decode on the device: a ``--size`` model in bfloat16 (weights and KV
     cache), every slot holding the same 512-token prompt, ``decode_steps`` tokens per jitted block;
@@ -348,7 +436,7 @@ def _engine_one(model, prompt, slots, blocks, size):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", required=True, choices=["check", "kernel", "train", "engine"])
+    ap.add_argument("--part", required=True, choices=["check", "kernel", "train", "engine", "profile"])
     ap.add_argument("--size", default="0.8b", help="train: a Qwen35Config preset")
     # 32K first: the issue's aim is the 2B step's MFU at 32K tokens, so a timeout loses the others.
     ap.add_argument("--tokens", default="32768,8192,65536", help="train: tokens per step (one row each)")
@@ -364,7 +452,13 @@ def main():
     )
     args = ap.parse_args()
     say(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
-    {"check": part_check, "kernel": part_kernel, "train": part_train, "engine": part_engine}[args.part](args)
+    {
+        "check": part_check,
+        "kernel": part_kernel,
+        "train": part_train,
+        "engine": part_engine,
+        "profile": part_profile,
+    }[args.part](args)
 
 
 if __name__ == "__main__":

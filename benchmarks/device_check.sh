@@ -2,8 +2,9 @@
 # The accelerator check for issues 15 and 17, at most 9 minutes on one H200:
 #   1. the Pallas delta-rule kernels against the pure-JAX path on the device (values, VJP);
 #   2. the delta rule's ms, tokens/s, TFLOP/s and compiled temporaries, JAX path vs kernels (T=32K);
-#   3. 2B and 0.8B train steps at 32K, 8K and 64K tokens: tokens/s, MFU, peak device memory;
-#   4. the rollout engine's 0.8B bfloat16 decode at 64 and 256 slots: ms per step, tokens/s.
+#   3. 2B train steps at 32K, 8K and 64K tokens: tokens/s, MFU, peak device memory;
+#   4. the rollout engine's 0.8B bfloat16 decode at 64 and 256 slots: ms per step, tokens/s;
+#   5. a profile of one 2B step at 8K tokens: its busiest GPU kernels (trace copied to $OUT).
 # Each part runs in its own process under its own limit (a crash or hang loses only that part); the
 # limits add up to under 9 minutes with their kill grace.
 #   bash benchmarks/device_check.sh            # on the accelerator host
@@ -37,5 +38,5 @@ part 100 --part check
 part 120 --part kernel
 part 130 --part train --size 2b  # first: the issue's MFU aim is the 2B step at 32K tokens
 part 70 --part engine --size 0.8b  # issue 17: bf16 decode at 64 and 256 slots
-part 80 --part train --size 0.8b
+part 80 --part profile --size 2b --tokens 8192  # where the 2B step's time goes (6% MFU on 2026-12-04)
 echo "=== device check done in $((SECONDS - START))s"
