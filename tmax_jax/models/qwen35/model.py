@@ -192,8 +192,24 @@ class Qwen35ForCausalLM(nnx.Module):
             def per_period(a):  # [layers_of_kind, ...] -> [G, per_period, ...]
                 return a.reshape(G, a.shape[0] // G, *a.shape[1:])
 
+            # The whole cache rides in the loop's carry and each period writes its slice back in
+            # place: as the scan's stacked output it would be a second, cache-sized buffer written in
+            # full and copied back at every decode step.
             caches = tuple(per_period(a) for a in (cache.k, cache.v, cache.conv, cache.recurrent))
-            x_BxTxD, (new, aux) = jax.lax.scan(period, x_BxTxD, (block_state, caches, routing))
+
+            def period_in_place(carry, xs):
+                x, full = carry
+                state, replay, g = xs
+                mine = tuple(jax.lax.dynamic_index_in_dim(a, g, 0, keepdims=False) for a in full)
+                x, (new, aux) = period(x, (state, mine, replay))
+                full = tuple(
+                    jax.lax.dynamic_update_index_in_dim(a, n.astype(a.dtype), g, 0) for a, n in zip(full, new)
+                )
+                return (x, full), aux
+
+            (x_BxTxD, new), aux = jax.lax.scan(
+                period_in_place, (x_BxTxD, caches), (block_state, routing, jnp.arange(G))
+            )
             k, v, conv, rec = (a.reshape(-1, *a.shape[2:]) for a in new)
             n_new = (segment_ids > 0).sum(-1).astype(cache.lengths.dtype)
             new_cache = Qwen35Cache(lengths=cache.lengths + n_new, k=k, v=v, conv=conv, recurrent=rec)
