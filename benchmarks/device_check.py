@@ -304,11 +304,10 @@ def _train_one(args, cfg, step, holder, n_matmul, tokens, size):
 def summarize_trace(trace_dir: str, top: int = 25) -> list[str]:
     """Lines: the busiest operations of a ``jax.profiler`` trace, by summed duration, per device (the
     GPU's kernels; on a CPU host, XLA's thunks), with their share of that device's busy time."""
-    import glob
     import gzip
     import json
 
-    paths = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))
+    paths = sorted(glob_traces(trace_dir))
     if not paths:
         return [f"no perfetto trace under {trace_dir}"]
     doc = json.load(gzip.open(paths[-1]))
@@ -383,6 +382,7 @@ def part_profile(args):
 
 
 def glob_traces(trace_dir):
+    """The perfetto traces ``jax.profiler.trace(..., create_perfetto_trace=True)`` wrote under ``trace_dir``."""
     import glob
 
     return glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)

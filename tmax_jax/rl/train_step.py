@@ -26,8 +26,8 @@ from tmax_jax.rl.optim import learning_rate_schedule, make_optimizer
 from tmax_jax.rl.packing import BATCH_FIELDS, ROUTING_FIELD, validate_batch
 
 # Optional batch field: int32 [B, T], the learner's version minus the oldest version that sampled each
-# target or a generated token before it (policy_lag(); < 0 where unknown or not generated). It feeds the mismatch / staleness metrics only; a batch
-# without it gets -1 everywhere.
+# target or a generated token before it (policy_lag(); < 0 where unknown or not generated). It feeds
+# the mismatch / staleness metrics only; a batch without it gets -1 everywhere.
 LAG_FIELD = "policy_lag"
 # Optional batch field of MoE runs with train_step.routing_replay (ROUTING_FIELD, packing.py): int16
 # [B, T, layers, top_k], the expert ids the engine routed each input token to in each MoE layer (-1

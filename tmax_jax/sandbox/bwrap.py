@@ -62,8 +62,6 @@ CAPS = (
 )  # fmt: skip
 # Created in every sandbox's state, sticky and world-writable, as in a container.
 SCRATCH = ("/tmp", "/run", "/run/lock", "/var/tmp")
-# The base image's empty directories and /run links (rootfs.py), made in every sandbox's state.
-SKELETON, SKELETON_LINKS = rootfs.SKELETON, rootfs.SKELETON_LINKS
 # Top-level names a verifier never takes from the agent's state (its own mounts, or the kernel's).
 _VERIFIER_OWN = frozenset({"proc", "dev", "sys", "tests", "logs"})
 # As host root, each sandbox's host-side mounts (its state tmpfs, and read-only binds of bind sources
@@ -183,9 +181,9 @@ class BwrapSandbox(Sandbox):
         for d in [*(self.state / p.lstrip("/") for p in SCRATCH), self._shm]:
             d.mkdir(parents=True, exist_ok=True)
             d.chmod(0o1777)
-        for p in SKELETON:
+        for p in rootfs.SKELETON:  # the base image's empty directories and /run links
             (self.state / p.lstrip("/")).mkdir(mode=0o700 if p == "/root" else 0o755, exist_ok=True)
-        for target, link in SKELETON_LINKS:
+        for target, link in rootfs.SKELETON_LINKS:
             if not os.path.lexists(self.state / link.lstrip("/")):
                 os.symlink(target, self.state / link.lstrip("/"))
         if self.is_root:

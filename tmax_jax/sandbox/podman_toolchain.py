@@ -116,35 +116,34 @@ class _Image:
     def __init__(self, lowers: list[str]):
         self.lowers = [lo for lo in lowers if lo]
         self._cmds: set[str] | None = None
+        self._base_cmds: set[str] | None = None
 
     def has(self, rel: str) -> bool:
         return any(os.path.lexists(os.path.join(lo, rel)) for lo in self.lowers)
 
-    def in_base(self, rel: str) -> bool:
-        """Whether ``rel`` is in the base (the last, bottom lower: the rootfs the task's own build
-        steps were replayed on), not only in a layer the task's Dockerfile made."""
-        return bool(self.lowers) and os.path.lexists(os.path.join(self.lowers[-1], rel))
-
     def base_commands(self) -> set[str]:
-        """The commands on the verifier's PATH in the base alone."""
-        out: set[str] = set()
-        for d in PATH_DIRS:
-            try:
-                out.update(os.listdir(os.path.join(self.lowers[-1], d)) if self.lowers else ())
-            except OSError:
-                pass
-        return out
+        """The commands on the verifier's PATH in the base alone (the last, bottom lower: the rootfs
+        the task's own build steps were replayed on), not only in a layer the task's Dockerfile made."""
+        if self._base_cmds is None:
+            self._base_cmds = _path_commands(self.lowers[-1:])
+        return self._base_cmds
 
     def commands(self) -> set[str]:
         if self._cmds is None:
-            self._cmds = set()
-            for lo in self.lowers:
-                for d in PATH_DIRS:
-                    try:
-                        self._cmds.update(os.listdir(os.path.join(lo, d)))
-                    except OSError:
-                        pass
+            self._cmds = _path_commands(self.lowers)
         return self._cmds
+
+
+def _path_commands(lowers: list[str]) -> set[str]:
+    """The names in the PATH directories of ``lowers``."""
+    out: set[str] = set()
+    for lo in lowers:
+        for d in PATH_DIRS:
+            try:
+                out.update(os.listdir(os.path.join(lo, d)))
+            except OSError:
+                pass
+    return out
 
 
 # Commands a verifier's harness starts (test.sh's interpreter, pytest and its runners); a task's
@@ -234,7 +233,7 @@ def _static_reason(rel: str, kind: str, full: str, image: _Image) -> str | None:
             # A command only the task's own build made (a wrapper script the instruction may ask
             # the agent to fix) is task content, as under Docker, unless the verifier's harness
             # starts it or it stands in for a command of the base.
-            if image.in_base(rel) or name in image.base_commands() or _harness_command(name, rel, image):
+            if name in image.base_commands() or _harness_command(name, rel, image):
                 return (
                     f"{where} (a command of the image) was {'removed' if kind == 'whiteout' else 'changed'}"
                 )

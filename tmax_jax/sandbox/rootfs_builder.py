@@ -137,13 +137,11 @@ def _write_host_rootfs(tmp: Path, python: str) -> None:
         "usr/lib64",
         "etc",
         "tmp",
-        "root",
         "proc",
         "dev",
         "sys",
         "run",
         "var/tmp",
-        "home",
         "run/lock",
         *(p.lstrip("/") for p in SKELETON),
     ):
