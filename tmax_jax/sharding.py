@@ -7,6 +7,10 @@ to the mesh axes ``data``, ``fsdp`` and ``tensor``. Rules are applied through
 shape: a mesh axis that does not divide its dimension (tiny models, odd head counts) is dropped for
 that dimension rather than failing, and large parameters left fully replicated by the rules are
 sharded over ``fsdp`` along their largest divisible dimension (a size-threshold fallback).
+
+Activations follow the same table: rows over ``BATCH_AXES``, and the token axis of the residual
+stream over the mesh axis of the ``sequence`` rule (``tensor``): sequence parallelism, see
+``shard_tokens``.
 """
 
 from __future__ import annotations
@@ -46,7 +50,16 @@ DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
     # whole experts, not slices of every expert); the router's expert axis is small and replicated.
     ("expert", "fsdp"),
     ("expert_logits", None),
+    # Activations: the token axis of the residual stream between layers (Megatron-style sequence
+    # parallelism). The tensor group's devices would otherwise each hold the same [rows, T, D] hidden
+    # states, norms and saved layer inputs; split over T they hold 1/tensor of them, while the
+    # head-sharded projections still see every token (``shard_tokens`` / ``gather_tokens``).
+    ("sequence", "tensor"),
 )
+
+
+def _rules_dict(rules) -> dict[str, str | None]:
+    return {logical: mesh_axis for logical, mesh_axis in rules}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +86,12 @@ class MeshConfig:
                     f"mesh.rules: logical axis {logical!r} maps to unknown mesh axis {mesh_axis!r} "
                     f"(mesh axes: {list(MESH_AXES)})"
                 )
+        seq_axis = _rules_dict(self.rules).get("sequence")
+        if seq_axis in BATCH_AXES:
+            raise ConfigError(
+                f"mesh.rules: 'sequence' maps to {seq_axis!r}, which already splits the batch rows "
+                f"({' x '.join(BATCH_AXES)}); map it to 'tensor' or None"
+            )
 
     @property
     def axis_sizes_raw(self) -> tuple[int, int, int]:
@@ -106,10 +125,6 @@ def make_mesh(cfg: MeshConfig = MeshConfig(), devices: Sequence | None = None) -
         return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
     # A subset (e.g. the 1-device reference mesh in tests): keep the given order.
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
-
-
-def _rules_dict(rules) -> dict[str, str | None]:
-    return {logical: mesh_axis for logical, mesh_axis in rules}
 
 
 def fit_spec(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
@@ -199,6 +214,51 @@ def optimizer_shardings(optimizer, opt_state, params_shardings, mesh: Mesh):
         transform_non_params=lambda _: replicated,
         is_leaf=_is_var,
     )
+
+
+def activation_rules() -> tuple[tuple[str, str | None], ...]:
+    """The rules in force while a model is traced: flax's ``nnx.logical_axis_rules`` context when one
+    is set, ``DEFAULT_RULES`` otherwise (as the kernels' and attention's shard_map do). They are read
+    when a function is traced: a jitted function keeps the rules of its first trace."""
+    from flax.core import spmd
+
+    return tuple(spmd.get_logical_axis_rules()) or DEFAULT_RULES
+
+
+def sequence_axis(rules=None) -> str | None:
+    """The mesh axis the ``sequence`` rule splits the token axis of activations over (None: off)."""
+    return _rules_dict(activation_rules() if rules is None else rules).get("sequence")
+
+
+def _constrain_tokens(x_BxTxD: jax.Array, split: bool) -> jax.Array:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x_BxTxD
+    seq = sequence_axis()
+    if seq is None or mesh.shape.get(seq, 1) == 1:
+        return x_BxTxD  # nothing to split: leave XLA's choices (and the program) as they were
+    spec = PartitionSpec(BATCH_AXES, seq if split else None, *([None] * (x_BxTxD.ndim - 2)))
+    return jax.lax.with_sharding_constraint(x_BxTxD, fit_spec(spec, x_BxTxD.shape, mesh))
+
+
+def shard_tokens(x_BxTxD: jax.Array) -> jax.Array:
+    """The residual stream ``[B, T, ...]`` split over rows and, by the ``sequence`` rule, over tokens.
+
+    Under the ambient mesh (``jax.set_mesh``) only; a no-op without one, when the rule is off, or
+    when its axis does not divide T (decode steps, short prefills), as ``fit_spec`` drops such axes
+    for parameters. Values are unchanged: between a head-sharded projection's partial sums and this
+    constraint XLA reduce-scatters instead of all-reducing.
+    """
+    return _constrain_tokens(x_BxTxD, split=True)
+
+
+def gather_tokens(x_BxTxD: jax.Array) -> jax.Array:
+    """``[B, T, ...]`` whole over the ``sequence`` axis: the input of head-sharded projections.
+
+    Pinned explicitly so that XLA all-gathers the (normed) tokens before the projections rather
+    than carrying the token split into the mixers, which need every token of their head shard (the
+    delta rule's recurrence, causal attention)."""
+    return _constrain_tokens(x_BxTxD, split=False)
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:

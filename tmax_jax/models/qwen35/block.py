@@ -15,6 +15,7 @@ from tmax_jax.models.qwen35.mlp import SwiGLU
 from tmax_jax.models.qwen35.moe import SparseMoeBlock
 from tmax_jax.models.qwen35.norms import norm_init_value, rms_norm
 from tmax_jax.models.qwen35.params import constant, make_param
+from tmax_jax.sharding import gather_tokens, shard_tokens
 
 
 class DecoderLayer(nnx.Module):
@@ -37,8 +38,16 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, ctx, layer_cache, replay=None):
         """(output, new layer cache or None, aux): ``aux`` is empty for a dense MLP; for MoE,
         ``{"router_stats": RouterStats, "experts": int32 [B, T, K]}`` (the expert ids used).
-        ``replay``: int [B, T, K] expert ids to route by (routing replay; -1 rows route as usual)."""
-        h = rms_norm(x, self.input_layernorm[...], self.eps, zero_centred=self.zero_centred)
+        ``replay``: int [B, T, K] expert ids to route by (routing replay; -1 rows route as usual).
+
+        Without a cache the residual stream is split over tokens by the ``sequence`` rule (sharding.py;
+        under a mesh only): the norms run on each device's tokens, the mixer and the MLP get every
+        token, and their outputs are reduce-scattered back. Decoding with a cache is left as it was."""
+        seq_split = layer_cache is None
+        split = shard_tokens if seq_split else (lambda a: a)
+        gather = gather_tokens if seq_split else (lambda a: a)
+        x = split(x)
+        h = gather(rms_norm(x, self.input_layernorm[...], self.eps, zero_centred=self.zero_centred))
         if self.kind == FULL:
             with jax.named_scope("gated_attention"):
                 h, new_cache = self.self_attn(
@@ -52,14 +61,14 @@ class DecoderLayer(nnx.Module):
         else:
             with jax.named_scope("gated_deltanet"):
                 h, new_cache = self.linear_attn(h, ctx["segment_ids"], ctx["groups"], state=layer_cache)
-        x = x + h
-        h = rms_norm(x, self.post_attention_layernorm[...], self.eps, zero_centred=self.zero_centred)
+        x = split(x + h)
+        h = gather(rms_norm(x, self.post_attention_layernorm[...], self.eps, zero_centred=self.zero_centred))
         if self.is_moe:
             with jax.named_scope("moe"):
                 h, stats, experts = self.mlp(h, ctx["segment_ids"] > 0, replay)
-            return x + h, new_cache, {"router_stats": stats, "experts": experts}
+            return split(x + h), new_cache, {"router_stats": stats, "experts": experts}
         with jax.named_scope("mlp"):
-            x = x + self.mlp(h)
+            x = split(x + self.mlp(h))
         return x, new_cache, {}
 
 

@@ -19,6 +19,7 @@ from tmax_jax.models.qwen35.norms import norm_init_value, rms_norm
 from tmax_jax.models.qwen35.params import constant, make_param, normal
 from tmax_jax.models.qwen35.rope import rope_cos_sin
 from tmax_jax.rl.logprobs import head_logits
+from tmax_jax.sharding import shard_tokens
 
 f32 = jnp.float32
 _REMAT_POLICIES = {
@@ -151,6 +152,8 @@ class Qwen35ForCausalLM(nnx.Module):
             raise ValueError(f"positions shape {positions.shape} != input_ids shape {(B, T)}")
 
         x_BxTxD = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)
+        if cache is None:
+            x_BxTxD = shard_tokens(x_BxTxD)  # the scan's carry (and the period inputs it saves) split by T
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, cfg.yarn)
         ctx = dict(cos=cos, sin=sin, segment_ids=segment_ids, groups=groups, lengths=lengths)
         collect = (("router_stats",) if router_stats else ()) + (("experts",) if return_routing else ())
