@@ -59,6 +59,15 @@ def test_9b_v5p_64_plan_numbers():
     assert plan.device_memory == int(88.5 * GiB)
 
 
+def test_27b_v6e_256_fits_with_sequence_parallelism():
+    """32 GB chips: the 27B's 64K-token rows fit only with the residual stream split over tensor=4
+    by tokens (the sequence rule; 58.96 GiB planned without it)."""
+    plan = make_plan(load_train_config("configs/qwen35-27b-v6e-256.yaml"))
+    assert plan.mesh_shape == {"data": 4, "fsdp": 16, "tensor": 4}
+    assert (plan.sequence_split, plan.internals_split) == (4, True)
+    assert plan.fits and plan.total < 0.85 * plan.device_memory
+
+
 def test_unknown_key_is_named(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("group_size: 4\nrl:\n  loss:\n    deltta: 0.2\n")

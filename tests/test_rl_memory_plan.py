@@ -90,3 +90,38 @@ def test_plan_defaults_to_the_devices_jax_sees():
     plan = make_plan(load_train_config(None, {"prompts_per_step": 4, "group_size": 2, "seq_len": 32}))
     assert plan.mesh_shape == {"data": 1, "fsdp": jax.device_count(), "tensor": 1}
     assert plan.local_rows == 1 and plan.device_memory is None
+
+
+def _rules(sequence):
+    from tmax_jax.sharding import DEFAULT_RULES
+
+    return [[k, sequence if k == "sequence" else v] for k, v in DEFAULT_RULES]
+
+
+def test_sequence_rule_divides_the_activations_that_grow_with_the_row():
+    """tensor=2 with the sequence rule (the default) against it mapped to None: what grows with the
+    row is split in two, except the [rows, T, D] buffers every device of the tensor group holds whole
+    (the head's hidden states; a layer's gathered projection inputs)."""
+    long = TINY | {"seq_len": 512}
+    on = make_plan(load_train_config(None, long))
+    off = make_plan(load_train_config(None, long | {"mesh": TINY["mesh"] | {"rules": _rules(None)}}))
+    assert (on.sequence_split, on.internals_split) == (2, True)
+    assert (off.sequence_split, off.internals_split) == (1, False)
+    assert on.params == off.params and on.optimizer == off.optimizer
+    assert 0.5 < on.activations_resident / off.activations_resident < 0.8
+    assert 0.5 < on.activations_transient / off.activations_transient < 0.8
+
+
+def test_sequence_rule_needs_a_divisible_seq_len():
+    with pytest.raises(ConfigError, match="seq_len=63 is not divisible by mesh.tensor=2"):
+        make_plan(load_train_config(None, TINY | {"seq_len": 63}))
+    # Off, any length plans (activations whole, as before).
+    off = load_train_config(None, TINY | {"seq_len": 63, "mesh": TINY["mesh"] | {"rules": _rules(None)}})
+    assert make_plan(off).sequence_split == 1
+
+
+def test_heads_that_do_not_divide_keep_the_internals_whole():
+    # tiny has 2 key heads: tensor=4 splits tokens, but the rules leave the delta rule's heads whole.
+    cfg = TINY | {"mesh": {"data": 1, "fsdp": 2, "tensor": 4}, "prompts_per_step": 2}
+    plan = make_plan(load_train_config(None, cfg))
+    assert (plan.sequence_split, plan.internals_split) == (4, False)

@@ -6,8 +6,16 @@ mesh and rules. Activations come from ``saved_residuals`` of the real train loss
 per-device micro-batch: *resident* is what the backward pass keeps for the whole model (with the
 configured remat), *transient* is what one rematerialised piece holds while its backward runs (with
 ``remat="full"``: a period's layer inputs plus the largest single layer's internals; otherwise one
-layer-pattern period's internals) plus the float32 LM-head chunk buffers. Tensor-parallel splits of activations are not divided out,
-so activations are an upper bound when ``mesh.tensor`` > 1.
+layer-pattern period's internals) plus the float32 LM-head chunk buffers.
+
+The trace runs without a mesh, so it sees whole rows; the mesh's splits of activations are applied
+here. With the rules' ``sequence`` axis (``tensor``, sharding.py) the residual stream is split by
+tokens over it, and tensor parallelism splits the mixers' and MLP's internals by heads over the same
+axis: the part of each activation total that grows with the row (measured by tracing at twice the
+length) is divided by the axis size, except for what stays whole on every device: the all-gathered
+inputs of a layer's projections and the final hidden states the LM head reads. When a head count
+does not divide the axis (the rules then leave those heads whole) the internals are not divided,
+and activations are an upper bound, as they are with the sequence rule off and ``mesh.tensor`` > 1.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import optax
 from flax import nnx
 
 from tmax_jax import sharding as shd
+from tmax_jax.errors import ConfigError
 from tmax_jax.rl.optim import make_optimizer
 from tmax_jax.train.config import TrainConfig
 
@@ -41,6 +50,10 @@ class MemoryPlan:
     activations_transient: int
     device_memory: int | None
     largest_buffer: tuple[int, str] = (0, "")
+    # Ways the token axis of activations is split (the sequence rule's mesh axis; 1: not split), and
+    # whether the mixers' and MLP's internals are split as well (every head count divides it).
+    sequence_split: int = 1
+    internals_split: bool = False
 
     @property
     def total(self) -> int:
@@ -92,7 +105,9 @@ def _abstract_model(model_cfg, remat: str, dtype, param_dtype):
     return nnx.eval_shape(lambda: make_model(model_cfg, remat=remat, dtype=dtype, param_dtype=param_dtype))
 
 
-def _activation_bytes(model_cfg, cfg: TrainConfig, local_rows: int, dtype, param_dtype):
+def _activation_bytes(model_cfg, cfg: TrainConfig, local_rows: int, dtype, param_dtype, split: int = 1):
+    """Residual bytes of the loss on ``local_rows`` whole rows; with ``split`` > 1, the part that grows
+    with the row length (traced again at twice the length: what doubles) divided by ``split``."""
     from tmax_jax.rl.train_step import batch_loss
 
     model = _abstract_model(model_cfg, cfg.rl.train_step.remat, dtype, param_dtype)
@@ -101,7 +116,44 @@ def _activation_bytes(model_cfg, cfg: TrainConfig, local_rows: int, dtype, param
     def loss(p, mb):
         return batch_loss(nnx.merge(graphdef, p, rest), mb, cfg.rl.loss, 1.0)[0]
 
-    return _residual_bytes(loss, params, _abstract_batch(local_rows, cfg.seq_len))
+    total, largest = _residual_bytes(loss, params, _abstract_batch(local_rows, cfg.seq_len))
+    if split == 1:
+        return total, largest
+    total2, largest2 = _residual_bytes(loss, params, _abstract_batch(local_rows, 2 * cfg.seq_len))
+    growing = min(max(total2 - total, 0), total)
+    if largest2[0] >= 2 * largest[0]:
+        largest = (largest[0] // split, f"{largest[1]}, 1/{split} per device")
+    return total - growing + growing // split, largest
+
+
+def _sequence_split(cfg: TrainConfig, model_cfg, mesh_shape) -> tuple[int, bool]:
+    """(ways the sequence rule splits the token axis, whether the heads' internals split likewise)."""
+    from tmax_jax.models.qwen35.config import FULL, LINEAR
+
+    axis = shd.sequence_axis(cfg.mesh.rules)
+    t = mesh_shape.get(axis, 1) if axis is not None else 1
+    if t == 1:
+        return 1, False
+    if cfg.seq_len % t:
+        raise ConfigError(
+            f"seq_len={cfg.seq_len} is not divisible by mesh.{axis}={t}, the axis mesh.rules' 'sequence' "
+            f"splits the tokens of activations over: use a multiple of {t}, or map 'sequence' to None"
+        )
+    # Tensor parallelism splits a mixer's or the MLP's internals only where their parameters are
+    # split over the same axis: each head-like rule maps to it and each such size divides it.
+    kinds = set(model_cfg.layer_types)
+    dims = {} if model_cfg.is_moe else {"mlp": model_cfg.intermediate_size}
+    if FULL in kinds:
+        dims |= {"q_heads": model_cfg.num_attention_heads, "kv_heads": model_cfg.num_key_value_heads}
+    if LINEAR in kinds:
+        dims |= {
+            "lin_k_heads": model_cfg.linear_num_key_heads,
+            "lin_v_heads": model_cfg.linear_num_value_heads,
+            "lin_dim": model_cfg.conv_dim,
+        }
+    rules = dict(cfg.mesh.rules)
+    heads = not model_cfg.is_moe and all(rules.get(n) == axis and d % t == 0 for n, d in dims.items())
+    return t, heads
 
 
 def planned_devices(cfg: TrainConfig) -> int:
@@ -141,8 +193,18 @@ def make_plan(cfg: TrainConfig) -> MemoryPlan:
 
     data_shards = mesh_shape["data"] * mesh_shape["fsdp"]
     local_rows = max(cfg.rows_per_step // data_shards // cfg.rl.train_step.micro_batches, 1)
-    resident, largest = _activation_bytes(model_cfg, cfg, local_rows, dtype, param_dtype)
     remat = cfg.rl.train_step.remat
+    t, heads = _sequence_split(cfg, model_cfg, mesh_shape)
+    # Whole on every device of the sequence axis: one [rows, T, D] activation.
+    whole_row = local_rows * cfg.seq_len * model_cfg.hidden_size * dtype.itemsize
+    unsplit = whole_row - whole_row // t
+    # With remat="full" the backward keeps only token-wise buffers (period inputs, the final norm,
+    # the head's inputs), all split by the sequence rule; otherwise it keeps the layers' internals.
+    resident, largest = _activation_bytes(
+        model_cfg, cfg, local_rows, dtype, param_dtype, t if (remat == "full" or heads) else 1
+    )
+    if t > 1:
+        resident += unsplit  # the final hidden states, gathered for the vocab-split LM head
     no_remat = dataclasses.replace(
         cfg, rl=dataclasses.replace(cfg.rl, train_step=dataclasses.replace(cfg.rl.train_step, remat="none"))
     )
@@ -153,16 +215,24 @@ def make_plan(cfg: TrainConfig) -> MemoryPlan:
         transient, largest_t = 0, (0, "")
         for kind in sorted(set(pattern)):
             one_layer = dataclasses.replace(model_cfg, num_hidden_layers=1, layer_types=(kind,))
-            n, big = _activation_bytes(one_layer, no_remat, local_rows, dtype, param_dtype)
+            n, big = _activation_bytes(one_layer, no_remat, local_rows, dtype, param_dtype, t if heads else 1)
             transient, largest_t = max(transient, n), max(largest_t, big)
-        transient += len(pattern) * local_rows * cfg.seq_len * model_cfg.hidden_size * dtype.itemsize
+        transient += len(pattern) * (whole_row // t)  # the period's layer inputs, split by tokens
         largest = max(largest, largest_t)
+        if heads:
+            transient += 2 * unsplit  # the mixer's and the MLP's all-gathered inputs
     elif remat != "none":
         one_period = dataclasses.replace(model_cfg, num_hidden_layers=len(pattern), layer_types=pattern)
-        transient, largest_t = _activation_bytes(one_period, no_remat, local_rows, dtype, param_dtype)
+        transient, largest_t = _activation_bytes(
+            one_period, no_remat, local_rows, dtype, param_dtype, t if heads else 1
+        )
         largest = max(largest, largest_t)
+        if heads:
+            transient += 2 * len(pattern) * unsplit
     else:
         transient = 0
+        if heads:
+            resident += 2 * model_cfg.num_hidden_layers * unsplit
     # The float32 head holds [rows, chunk, V] logits, their softmax and its cotangent at once.
     chunk = min(cfg.rl.loss.logprob_chunk, cfg.seq_len)
     transient += 3 * local_rows * chunk * model_cfg.vocab_size * 4
@@ -179,6 +249,8 @@ def make_plan(cfg: TrainConfig) -> MemoryPlan:
         activations_transient=transient,
         device_memory=mem,
         largest_buffer=largest,
+        sequence_split=t,
+        internals_split=heads,
     )
 
 
@@ -198,6 +270,18 @@ def format_plan(plan: MemoryPlan, cfg: TrainConfig) -> str:
         f"batch: {cfg.rows_per_step} rows ({cfg.prompts_per_step} prompts x group {cfg.group_size}) x "
         f"{cfg.seq_len} tokens, {ts.micro_batches} micro-batch(es), "
         f"{plan.local_rows} row(s) per device per micro-batch, remat={ts.remat}",
+    ]
+    if plan.sequence_split > 1:
+        axis = shd.sequence_axis(cfg.mesh.rules)
+        inside = (
+            "and the layers' internals by heads"
+            if plan.internals_split
+            else "(layers' internals counted whole: a head count does not divide it)"
+        )
+        lines.append(
+            f"activations: tokens split {plan.sequence_split} ways over {axis} (sequence rule) {inside}"
+        )
+    lines += [
         "per device:",
         f"  params                 {gib(plan.params)}",
         f"  gradients              {gib(plan.grads)}",
