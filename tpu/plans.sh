@@ -17,6 +17,11 @@ out=tpu/PLANS.md
   echo "(0.62 MiB per extra token), so ~47 GiB at 64K against the plan's 36 GiB transient: the CPU backend gives"
   echo "bf16 matmul operands float32 copies. On one H200 (tpu/README.md) a 2B step at 32K tokens peaked at 36.5 GiB."
   echo
+  echo "With mesh.tensor > 1 the rules table's sequence axis splits the residual stream by tokens over tensor"
+  echo "(sequence parallelism, tmax_jax/sharding.py) and tensor parallelism splits the layers' internals by heads;"
+  echo "the plan divides what grows with the row by it (its activations: line), keeping whole what every"
+  echo "device of the tensor group holds whole (the head's hidden states, a layer's gathered projection inputs)."
+  echo
   for c in $CONFIGS; do
     echo "## configs/$c.yaml"
     echo
