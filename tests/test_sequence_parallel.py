@@ -181,3 +181,27 @@ def test_sequence_cannot_map_to_a_batch_axis():
     rules = tuple((k, "fsdp" if k == "sequence" else v) for k, v in DEFAULT_RULES)
     with pytest.raises(ConfigError, match="'sequence' maps to 'fsdp'"):
         MeshConfig(rules=rules)
+
+
+@pytest.mark.parametrize("rules, want", [(DEFAULT_RULES, "tensor"), (NO_SP, None)], ids=["default", "off"])
+def test_train_step_traces_the_model_under_its_mesh_rules(monkeypatch, rules, want):
+    """A ``mesh.rules`` override reaches the model: TrainStep traces its step under the rules of its
+    MeshConfig, so the sequence split the model applies is the configured one, not DEFAULT_RULES."""
+    from tmax_jax import sharding
+    from tmax_jax.rl import OptimizerConfig, RLConfig
+    from tmax_jax.rl.train_step import TrainStep
+
+    seen = []
+    real = sharding.sequence_axis
+
+    def spy(rules=None):
+        seen.append(real(rules))
+        return seen[-1]
+
+    monkeypatch.setattr(sharding, "sequence_axis", spy)
+    mesh_cfg = MeshConfig(data=1, fsdp=4, tensor=2, rules=rules)
+    rl = RLConfig(loss=LOSS, optimizer=OptimizerConfig(learning_rate=1e-3))
+    step = TrainStep(make_model(sp_cfg(), remat="none", seed=0), rl, make_mesh(mesh_cfg), mesh_cfg)
+    state, metrics = step(step.init_state(), packed_batch(4, 64))
+    assert np.isfinite(float(metrics["loss"]))
+    assert seen and set(seen) == {want}, seen

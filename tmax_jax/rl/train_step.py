@@ -177,7 +177,9 @@ class TrainStep:
                 {k: v for k, v in batch.items() if k not in (LAG_FIELD, ROUTING_FIELD)},
                 rows_multiple=self.rows_multiple,
             )
-        with jax.set_mesh(self.mesh):
+        # The model reads the logical-axis rules (the ``sequence`` split, attention's and the kernels'
+        # shard_map specs) when the step is traced: a mesh.rules override must be in force then.
+        with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.mesh_cfg.rules):
             return self._jitted(state, dict(batch))
 
     # -- the step -----------------------------------------------------------------------------------
