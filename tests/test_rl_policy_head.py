@@ -259,3 +259,55 @@ def test_engine_and_trainer_logprobs_agree_float32_and_bfloat16_gap_is_bounded()
         f"engine-trainer |dlogp|: f32 first {first_f32:.2e} all {all_f32:.2e}; bf16 first {first_bf16:.2e} all {all_bf16:.2e}"
     )
     assert np.isfinite(all_bf16) and all_bf16 < 0.5
+
+
+def np_kept(z, k, p):
+    """float64 reference of the kept set of one row (top-k and nucleus, ties at the boundary kept),
+    and the distance of the nucleus decision from ``p`` (float32 may decide differently when tiny)."""
+    z = z.astype(np.float64)
+    order = np.argsort(-z, kind="stable")
+    probs = np.exp(z[order] - z.max())
+    probs /= probs.sum()
+    before = np.cumsum(probs) - probs
+    n_p = max(int((before < p).sum()), 1) if p < 1 else len(z)
+    n = min(len(z) if k <= 0 else min(k, len(z)), n_p)
+    return z >= z[order[n - 1]], (np.abs(before - p).min() if p < 1 else np.inf)
+
+
+@pytest.mark.strict_ranks
+def test_partial_nucleus_is_exact_and_skips_the_sort_when_the_head_reaches_p():
+    """A vocabulary past PARTIAL_TOP_K: peaked rows (the nucleus ends inside the 256 largest logits)
+    take the partial top-k, flat rows (it does not) the full sort; both give NumPy's kept set, the
+    engine's per-row form (arrays) and the trainer's (Python numbers) give the same logits bit for
+    bit, and the partial threshold equals the full-sort one wherever it says it is exact."""
+    from tmax_jax.rl.logprobs import PARTIAL_TOP_K, _partial_threshold, truncate
+
+    rng = np.random.default_rng(7)
+    V, S = 4096, 8
+    peaked = rng.normal(size=(S, V)) * 6.0  # a few dominant tokens: >99.9% of the mass in the top 256
+    flat = rng.normal(size=(S, V)) * 0.3  # mass spread over thousands of tokens
+    for k, p in [(0, 0.9), (0, 0.5), (10, 0.9), (300, 0.95), (300, 1.0), (40, 1.0)]:
+        for name, z in (("peaked", peaked), ("flat", flat)):
+            z32 = jnp.asarray(z, jnp.float32)
+            k_S, p_S = jnp.full((S,), k, jnp.int32), jnp.full((S,), p, jnp.float32)
+            thr_partial, exact = _partial_threshold(z32, k_S, p_S)
+            thr_full = truncation_threshold(z32, k_S, p_S)
+            want_exact = (p < 1 and name == "peaked") or (p >= 1 and k <= PARTIAL_TOP_K)
+            assert bool(exact) == want_exact, (k, p, name)
+            if want_exact:
+                np.testing.assert_array_equal(np.asarray(thr_partial), np.asarray(thr_full))
+            engine = np.asarray(truncate(z32, k_S, p_S))
+            trainer = np.asarray(truncate(z32, k, p))
+            np.testing.assert_array_equal(engine, trainer)
+            for row in range(S):
+                kept, margin = np_kept(np.asarray(z32[row]), k, p)
+                if margin > 1e-5:
+                    np.testing.assert_array_equal(np.isfinite(engine[row]), kept, err_msg=f"{k} {p} {name}")
+    # One flat row among peaked ones sends the whole batch to the sort, with the same answer.
+    mixed = jnp.asarray(np.concatenate([peaked[:7], flat[:1]]), jnp.float32)
+    p_S = jnp.full((S,), 0.9, jnp.float32)
+    assert not bool(_partial_threshold(mixed, jnp.zeros((S,), jnp.int32), p_S)[1])
+    np.testing.assert_array_equal(
+        np.asarray(truncate(mixed, jnp.zeros((S,), jnp.int32), p_S)),
+        np.asarray(truncate(jnp.asarray(np.concatenate([peaked[:7], flat[:1]]), jnp.float32), 0, 0.9)),
+    )

@@ -76,8 +76,9 @@ def sample(
 
     ``keys_S`` holds one typed PRNG key per row, so a row's draw does not depend on its neighbours
     (continuous batching gives the same samples as one request at a time). The vocabulary is sorted
-    only when a row asks for top-p (or a top-k past ``PARTIAL_TOP_K``), and no random draw is made
-    when every row is greedy; either way the tokens are those of the full computation.
+    only when a row asks for a top-k past ``PARTIAL_TOP_K`` or a nucleus that many logits do not
+    reach, and no random draw is made when every row is greedy; either way the tokens are those of
+    the full computation.
     """
     logits_SxV = logits_SxV.astype(jnp.float32)
     greedy_S = temperature_S <= GREEDY_EPS

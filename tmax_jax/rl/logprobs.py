@@ -56,8 +56,21 @@ def tempered(logits_NxV: jax.Array, temperature) -> jax.Array:
     return logits_NxV.astype(jnp.float32) / t_N[..., None]
 
 
-# Rows that ask only for top-k with k up to this get their threshold from a partial top-k (no sort).
+# Rows whose truncation is decided by their PARTIAL_TOP_K largest logits (a top-k with k up to it, or
+# a nucleus whose mass those logits reach) get their threshold from a partial top-k: no sort.
 PARTIAL_TOP_K = 256
+
+
+def _nucleus_count(head_NxK: jax.Array, lse_N: jax.Array, top_p_N: jax.Array):
+    """(how many of the descending ``head`` logits are in the nucleus, their total probability).
+
+    The probabilities are taken against the whole vocabulary's ``lse`` (a reduction over the
+    unsorted logits), and the running mass over the head alone: the full-sort and the partial path
+    both call this on the same head values, so they agree bit for bit wherever the head decides."""
+    probs_NxK = jnp.exp(head_NxK - lse_N[..., None])
+    running_NxK = jnp.cumsum(probs_NxK, axis=-1)
+    n_head = jnp.sum(running_NxK - probs_NxK < top_p_N[..., None], axis=-1)
+    return n_head, running_NxK[..., -1]
 
 
 def truncation_threshold(scaled_NxV: jax.Array, top_k, top_p) -> jax.Array:
@@ -66,7 +79,7 @@ def truncation_threshold(scaled_NxV: jax.Array, top_k, top_p) -> jax.Array:
     ``top_k <= 0`` and ``top_p >= 1`` disable either filter. The nucleus is the smallest prefix of
     the sorted tokens whose mass reaches ``top_p``: a token is in it when the mass strictly before
     it is still below ``top_p`` (so the top token is always kept). This is the full-sort form; see
-    :func:`truncate` for the one that skips the sort when it can.
+    :func:`truncate` for the one that skips the sort when it can (same numbers where both apply).
     """
     scaled_NxV = jax.lax.stop_gradient(scaled_NxV)
     vocab = scaled_NxV.shape[-1]
@@ -76,22 +89,42 @@ def truncation_threshold(scaled_NxV: jax.Array, top_k, top_p) -> jax.Array:
     sorted_NxV = jnp.sort(scaled_NxV, axis=-1, descending=True)
     k = jnp.where(top_k <= 0, vocab, jnp.minimum(top_k, vocab))
     kth = jnp.take_along_axis(sorted_NxV, (k - 1)[..., None], axis=-1)[..., 0]
-    probs_NxV = jax.nn.softmax(sorted_NxV, axis=-1)
-    mass_before_NxV = jnp.cumsum(probs_NxV, axis=-1) - probs_NxV
-    n_keep = jnp.maximum(jnp.sum(mass_before_NxV < top_p[..., None], axis=-1), 1)
+    head = min(PARTIAL_TOP_K, vocab)
+    lse = jax.nn.logsumexp(scaled_NxV, axis=-1)
+    n_head, head_mass = _nucleus_count(sorted_NxV[..., :head], lse, top_p)
+    tail_NxR = jnp.exp(sorted_NxV[..., head:] - lse[..., None])
+    tail_before_NxR = head_mass[..., None] + jnp.cumsum(tail_NxR, axis=-1) - tail_NxR
+    n_keep = jnp.maximum(n_head + jnp.sum(tail_before_NxR < top_p[..., None], axis=-1), 1)
     pth = jnp.take_along_axis(sorted_NxV, (n_keep - 1)[..., None], axis=-1)[..., 0]
     return jnp.maximum(kth, jnp.where(top_p >= 1.0, -jnp.inf, pth))
 
 
-def _top_k_threshold(scaled_NxV: jax.Array, top_k) -> jax.Array:
-    """:func:`truncation_threshold` without top-p for ``top_k <= PARTIAL_TOP_K`` (0 = off), from a
-    partial ``lax.top_k``: its k-th value is the sorted one."""
+def _partial_threshold(scaled_NxV: jax.Array, top_k, top_p):
+    """(:func:`truncation_threshold` from a partial ``lax.top_k`` of PARTIAL_TOP_K, whether that is
+    exact for every row). It is where a row's top-k is at most PARTIAL_TOP_K and it asks for no
+    nucleus, or where it asks for a nucleus that the head's mass reaches (then the nucleus ends
+    inside the head, at or above any k-th value)."""
     scaled_NxV = jax.lax.stop_gradient(scaled_NxV)
-    max_k = min(PARTIAL_TOP_K, scaled_NxV.shape[-1])
-    top_k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), scaled_NxV.shape[:-1])
-    top_NxK, _ = jax.lax.top_k(scaled_NxV, max_k)
-    kth = jnp.take_along_axis(top_NxK, (jnp.clip(top_k, 1, max_k) - 1)[..., None], axis=-1)[..., 0]
-    return jnp.where(top_k <= 0, -jnp.inf, kth)
+    vocab = scaled_NxV.shape[-1]
+    head = min(PARTIAL_TOP_K, vocab)
+    lead = scaled_NxV.shape[:-1]
+    top_k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), lead)
+    top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), lead)
+    head_NxK, _ = jax.lax.top_k(scaled_NxV, head)
+    kth = jnp.take_along_axis(head_NxK, (jnp.clip(top_k, 1, head) - 1)[..., None], axis=-1)[..., 0]
+    kth = jnp.where(top_k <= 0, -jnp.inf, kth)
+    n_head, head_mass = _nucleus_count(head_NxK, jax.nn.logsumexp(scaled_NxV, axis=-1), top_p)
+    pth = jnp.take_along_axis(head_NxK, (jnp.maximum(n_head, 1) - 1)[..., None], axis=-1)[..., 0]
+    nucleus = top_p < 1.0
+    exact = jnp.where(nucleus, (head_mass >= top_p) | (head == vocab), (top_k <= head) | (head == vocab))
+    return jnp.maximum(kth, jnp.where(nucleus, pth, -jnp.inf)), jnp.all(exact)
+
+
+def _threshold(scaled_NxV: jax.Array, top_k, top_p) -> jax.Array:
+    """The truncation threshold, from the partial top-k when it is exact for every row, else from
+    the full sort (the partial top-k's cost is then added to the sort's)."""
+    thr_N, exact = _partial_threshold(scaled_NxV, top_k, top_p)
+    return jax.lax.cond(exact, lambda x: thr_N, lambda x: truncation_threshold(x, top_k, top_p), scaled_NxV)
 
 
 def _no_threshold(scaled_NxV: jax.Array) -> jax.Array:
@@ -108,35 +141,22 @@ def truncate(scaled_NxV: jax.Array, top_k=None, top_p=None) -> jax.Array:
 
     Static ``top_k`` / ``top_p`` (Python numbers or None: the trainer) pick the computation at trace
     time; arrays (one value per position: the engine's slots) pick it at run time. Either way the
-    vocabulary is sorted only when some position asks for top-p or for a top-k past
-    :data:`PARTIAL_TOP_K`, and nothing is done when none asks for truncation.
+    threshold comes from a partial top-k of :data:`PARTIAL_TOP_K` logits unless some position asks
+    for a top-k past it (without a nucleus) or for a nucleus whose mass those logits do not reach;
+    only then is the vocabulary sorted. Nothing is done when no position asks for truncation.
     """
     if _is_static(top_k) and _is_static(top_p):
         k = 0 if top_k is None else int(top_k)
         p = 1.0 if top_p is None else float(top_p)
         if k <= 0 and p >= 1.0:
             return scaled_NxV
-        thr_N = (
-            _top_k_threshold(scaled_NxV, k)
-            if p >= 1.0 and k <= PARTIAL_TOP_K
-            else truncation_threshold(scaled_NxV, k, p)
-        )
+        thr_N = _threshold(scaled_NxV, k, p)
     else:
         lead = scaled_NxV.shape[:-1]
         k_N = jnp.broadcast_to(jnp.asarray(0 if top_k is None else top_k, jnp.int32), lead)
         p_N = jnp.broadcast_to(jnp.asarray(1.0 if top_p is None else top_p, jnp.float32), lead)
         wants = jnp.any((k_N > 0) | (p_N < 1.0))
-        partial_ok = jnp.all((p_N >= 1.0) & (k_N <= min(PARTIAL_TOP_K, scaled_NxV.shape[-1])))
-        kind = jnp.where(wants, jnp.where(partial_ok, 1, 2), 0)
-        thr_N = jax.lax.switch(
-            kind,
-            [
-                _no_threshold,
-                lambda x: _top_k_threshold(x, k_N),
-                lambda x: truncation_threshold(x, k_N, p_N),
-            ],
-            scaled_NxV,
-        )
+        thr_N = jax.lax.cond(wants, lambda x: _threshold(x, k_N, p_N), _no_threshold, scaled_NxV)
     return jnp.where(scaled_NxV >= thr_N[..., None], scaled_NxV, -jnp.inf)
 
 
