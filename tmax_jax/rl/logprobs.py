@@ -99,6 +99,21 @@ def truncation_threshold(scaled_NxV: jax.Array, top_k, top_p) -> jax.Array:
     return jnp.maximum(kth, jnp.where(top_p >= 1.0, -jnp.inf, pth))
 
 
+def _kth_in_head(head_NxK: jax.Array, top_k_N: jax.Array) -> jax.Array:
+    """The k-th largest logit from the descending ``head`` (k clipped to it; -inf where k <= 0)."""
+    head = head_NxK.shape[-1]
+    kth = jnp.take_along_axis(head_NxK, (jnp.clip(top_k_N, 1, head) - 1)[..., None], axis=-1)[..., 0]
+    return jnp.where(top_k_N <= 0, -jnp.inf, kth)
+
+
+def _top_k_threshold(scaled_NxV: jax.Array, top_k) -> jax.Array:
+    """:func:`truncation_threshold` without top-p for ``top_k <= PARTIAL_TOP_K`` (0 = off), from a
+    partial ``lax.top_k``: its k-th value is the sorted one. No pass over the vocabulary's mass."""
+    scaled_NxV = jax.lax.stop_gradient(scaled_NxV)
+    head_NxK, _ = jax.lax.top_k(scaled_NxV, min(PARTIAL_TOP_K, scaled_NxV.shape[-1]))
+    return _kth_in_head(head_NxK, jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), scaled_NxV.shape[:-1]))
+
+
 def _partial_threshold(scaled_NxV: jax.Array, top_k, top_p):
     """(:func:`truncation_threshold` from a partial ``lax.top_k`` of PARTIAL_TOP_K, whether that is
     exact for every row). It is where a row's top-k is at most PARTIAL_TOP_K and it asks for no
@@ -111,8 +126,7 @@ def _partial_threshold(scaled_NxV: jax.Array, top_k, top_p):
     top_k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), lead)
     top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), lead)
     head_NxK, _ = jax.lax.top_k(scaled_NxV, head)
-    kth = jnp.take_along_axis(head_NxK, (jnp.clip(top_k, 1, head) - 1)[..., None], axis=-1)[..., 0]
-    kth = jnp.where(top_k <= 0, -jnp.inf, kth)
+    kth = _kth_in_head(head_NxK, top_k)
     n_head, head_mass = _nucleus_count(head_NxK, jax.nn.logsumexp(scaled_NxV, axis=-1), top_p)
     pth = jnp.take_along_axis(head_NxK, (jnp.maximum(n_head, 1) - 1)[..., None], axis=-1)[..., 0]
     nucleus = top_p < 1.0
@@ -120,9 +134,9 @@ def _partial_threshold(scaled_NxV: jax.Array, top_k, top_p):
     return jnp.maximum(kth, jnp.where(nucleus, pth, -jnp.inf)), jnp.all(exact)
 
 
-def _threshold(scaled_NxV: jax.Array, top_k, top_p) -> jax.Array:
-    """The truncation threshold, from the partial top-k when it is exact for every row, else from
-    the full sort (the partial top-k's cost is then added to the sort's)."""
+def _nucleus_threshold(scaled_NxV: jax.Array, top_k, top_p) -> jax.Array:
+    """The truncation threshold when some row asks for a nucleus: from the partial top-k when it is
+    exact for every row, else from the full sort (the partial top-k's cost is then added to it)."""
     thr_N, exact = _partial_threshold(scaled_NxV, top_k, top_p)
     return jax.lax.cond(exact, lambda x: thr_N, lambda x: truncation_threshold(x, top_k, top_p), scaled_NxV)
 
@@ -150,13 +164,28 @@ def truncate(scaled_NxV: jax.Array, top_k=None, top_p=None) -> jax.Array:
         p = 1.0 if top_p is None else float(top_p)
         if k <= 0 and p >= 1.0:
             return scaled_NxV
-        thr_N = _threshold(scaled_NxV, k, p)
+        if p < 1.0:
+            thr_N = _nucleus_threshold(scaled_NxV, k, p)
+        elif k <= PARTIAL_TOP_K:
+            thr_N = _top_k_threshold(scaled_NxV, k)
+        else:
+            thr_N = truncation_threshold(scaled_NxV, k, p)
     else:
         lead = scaled_NxV.shape[:-1]
         k_N = jnp.broadcast_to(jnp.asarray(0 if top_k is None else top_k, jnp.int32), lead)
         p_N = jnp.broadcast_to(jnp.asarray(1.0 if top_p is None else top_p, jnp.float32), lead)
         wants = jnp.any((k_N > 0) | (p_N < 1.0))
-        thr_N = jax.lax.cond(wants, lambda x: _threshold(x, k_N, p_N), _no_threshold, scaled_NxV)
+        top_k_only = jnp.all((p_N >= 1.0) & (k_N <= min(PARTIAL_TOP_K, scaled_NxV.shape[-1])))
+        kind = jnp.where(wants, jnp.where(top_k_only, 1, 2), 0)
+        thr_N = jax.lax.switch(
+            kind,
+            [
+                _no_threshold,
+                lambda x: _top_k_threshold(x, k_N),
+                lambda x: _nucleus_threshold(x, k_N, p_N),
+            ],
+            scaled_NxV,
+        )
     return jnp.where(scaled_NxV >= thr_N[..., None], scaled_NxV, -jnp.inf)
 
 
