@@ -63,6 +63,43 @@ def test_greedy_rows_take_argmax_and_plain_logprob(logits):
     np.testing.assert_allclose(np.asarray(lps), ref, rtol=1e-5, atol=1e-6)
 
 
+def test_first_argmax_is_numpy_argmax_with_ties_infinities_and_nans():
+    rng = np.random.default_rng(1)
+    x = rng.integers(-3, 3, size=(12, 300)).astype(np.float32)  # many ties for the maximum
+    x[1] = -np.inf  # every logit masked
+    x[2, 17] = np.inf
+    x[2, 40] = np.inf
+    x[3, 5] = np.nan  # NumPy (and jnp.argmax) return the first NaN
+    x[3, 9] = np.nan
+    x[4, -1] = 10.0
+    got = np.asarray(sampling.first_argmax(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    assert got.dtype == np.int32
+
+
+def test_draws_are_jax_categorical_and_argmax_bit_for_bit():
+    """The fused draw (one argmax over Gumbel noise + kept logits, or the logits for greedy rows) picks
+    exactly the tokens of ``jax.random.categorical`` per row and ``jnp.argmax`` for greedy rows, so
+    seeds give the same samples as before it."""
+    rng = np.random.default_rng(2)
+    S, V = 16, 1000
+    logits = jnp.asarray(rng.normal(size=(S, V)).astype(np.float32) * 3.0)
+    keys = jax.random.split(jax.random.key(7), S)
+    temps = jnp.asarray(np.where(np.arange(S) % 4 == 0, 0.0, 0.4 + np.arange(S) / 8).astype(np.float32))
+    top_k = jnp.asarray(np.where(np.arange(S) % 3 == 1, 20, 0).astype(np.int32))
+    top_p = jnp.asarray(np.where(np.arange(S) % 5 == 2, 0.8, 1.0).astype(np.float32))
+    toks, _ = jax.jit(sampling.sample)(logits, keys, temps, top_k, top_p)
+    greedy = temps <= sampling.GREEDY_EPS
+    kept = sampling.filter_logits(
+        logits / jnp.where(greedy, 1.0, temps)[:, None],
+        jnp.where(greedy, 0, top_k),
+        jnp.where(greedy, 1.0, top_p),
+    )
+    ref = jnp.where(greedy, jnp.argmax(logits, axis=-1), jax.vmap(jax.random.categorical)(keys, kept))
+    np.testing.assert_array_equal(np.asarray(toks), np.asarray(ref))
+    assert len(set(np.asarray(toks)[~np.asarray(greedy)].tolist())) > 3  # real draws, not all one token
+
+
 @pytest.mark.parametrize(
     "t,k,p", [(1.0, 5, 1.0), (0.7, 0, 0.6), (1.3, 10, 0.8), (1.0, 1, 1.0), (2.0, 0, 0.05)]
 )

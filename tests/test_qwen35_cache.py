@@ -183,7 +183,7 @@ def test_cache_layout_reset_rows_and_pytree(model):
     cache = model.init_cache(3, 32, dtype=jnp.bfloat16)
     assert isinstance(cache, Qwen35Cache)
     assert cache.k.shape == (cfg.num_full_layers, 3, 32, cfg.num_key_value_heads, cfg.head_dim)
-    assert cache.conv.shape == (cfg.num_linear_layers, 3, cfg.conv_dim, cfg.linear_conv_kernel_dim)
+    assert cache.conv.shape == (cfg.num_linear_layers, 3, cfg.linear_conv_kernel_dim, cfg.conv_dim)
     assert cache.recurrent.shape[1:] == (3, cfg.linear_num_value_heads, cfg.linear_key_head_dim, 16)
     assert cache.k.dtype == jnp.bfloat16 and cache.recurrent.dtype == jnp.float32
     filled = dataclasses.replace(

@@ -94,6 +94,14 @@ class PrefillRequest:
     existing_prefix: Prefix | None = None
 
 
+class PeriodParams(struct.PyTreeNode):
+    """The engine's weights when the model runs its layer periods unrolled (``unroll_periods``):
+    the model's state without its block stack, and the stack as one state per layer period."""
+
+    rest: Any
+    periods: tuple
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n - 1).bit_length())
 
@@ -150,6 +158,7 @@ class Engine(EngineAPI):
         max_prefill_batch: int = 8,
         prompt_cache_entries: int = 4,
         record_routing: bool = False,
+        unroll_periods: bool = True,
     ):
         for name, v in [
             ("decode_steps", decode_steps),
@@ -179,7 +188,12 @@ class Engine(EngineAPI):
             (model.config.num_hidden_layers, model.config.num_experts_per_tok) if record_routing else None
         )
         self._graphdef, state = nnx.split(model)
-        self._params = state
+        # Expected shapes of the model's own (stacked) state: what update_params checks new weights against.
+        self._spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+        self._unroll = bool(unroll_periods) and hasattr(model, "unstack_periods") and "blocks" in state
+        self._num_periods = model.config.num_groups if self._unroll else 0
+        self._unstack_jit = launch.jit(self._unstack_impl)
+        self._params = self._engine_params(state)
         self._version = 0
         self._lock = threading.Lock()
         self._slots = max_concurrent_decodes
@@ -288,25 +302,50 @@ class Engine(EngineAPI):
         """
         if isinstance(new_params, nnx.Module):
             new_params = nnx.state(new_params)
-        old_leaves, old_def = jax.tree.flatten(self._params)
+        # The engine's own form (``params``) is checked against its current weights, the model's
+        # state against the model's shapes (and then split into periods: one copy of the blocks).
+        ref = self._params if isinstance(new_params, PeriodParams) else self._spec
+        old_leaves, old_def = jax.tree.flatten(ref)
         new_leaves, new_def = jax.tree.flatten(new_params)
         if old_def != new_def:
             raise ConfigError(
                 "update_params: new parameters have a different tree structure than the engine's"
             )
-        for path_leaf, a, b in zip(
-            jax.tree_util.tree_flatten_with_path(self._params)[0], old_leaves, new_leaves
-        ):
+        for path_leaf, a, b in zip(jax.tree_util.tree_flatten_with_path(ref)[0], old_leaves, new_leaves):
             if a.shape != b.shape or a.dtype != b.dtype:
                 raise ConfigError(
                     f"update_params: {jax.tree_util.keystr(path_leaf[0])} is {b.shape} {b.dtype}, "
                     f"expected {a.shape} {a.dtype}"
                 )
+        new_params = self._engine_params(new_params)
         with self._lock:
             self._params = new_params
             self._version = self._version + 1 if version is None else int(version)
             self._prompt_cache.clear()  # prefilled with the old weights
             return self._version
+
+    def _engine_params(self, state: Any) -> Any:
+        """The model's state in the engine's form (``PeriodParams`` when unrolling periods)."""
+        if not self._unroll or isinstance(state, PeriodParams):
+            return state
+        rest = nnx.State({k: v for k, v in state.items() if k != "blocks"})
+        return PeriodParams(rest=rest, periods=self._unstack_jit(state["blocks"]))
+
+    def _unstack_impl(self, blocks):
+        return tuple(jax.tree.map(lambda a, g=g: a[g], blocks) for g in range(self._num_periods))
+
+    def _merge(self, params: Any) -> tuple[Any, tuple | None]:
+        """(model, per-period block states or None) from the engine's form of the weights."""
+        if isinstance(params, PeriodParams):
+            state = nnx.State(dict(params.rest))
+            state["blocks"] = params.periods[0]  # the stack's structure; its values are not read
+            return nnx.merge(self._graphdef, state), params.periods
+        return nnx.merge(self._graphdef, params), None
+
+    def _hidden(self, model: Any, periods: tuple | None, tokens, **kwargs):
+        if periods is not None:
+            kwargs["periods"] = periods
+        return model.hidden_states(tokens, **kwargs)
 
     # ----------------------------------------------------------------- tokenizer (JetStream API)
     def get_tokenizer(self) -> Any:
@@ -329,7 +368,7 @@ class Engine(EngineAPI):
 
     def _init_decode_state_impl(self, params) -> DecodeState:
         s = self._slots
-        model = nnx.merge(self._graphdef, params)
+        model, _ = self._merge(params)
         return DecodeState(
             cache=model.init_cache(s, self._max_len, dtype=self._cache_dtype),
             tokens=jnp.zeros((s,), jnp.int32),
@@ -370,10 +409,10 @@ class Engine(EngineAPI):
         """Prompts ``tokens_BxT[b, :true_len_B[b]]`` on empty caches; (cache at max length, last logits)."""
         B, T = tokens_BxT.shape
         self.trace_counts[f"prefill_{B}x{T}"] += 1
-        model = nnx.merge(self._graphdef, params)
+        model, periods = self._merge(params)
         segment_BxT = (jnp.arange(T)[None, :] < true_len_B[:, None]).astype(jnp.int32)
         cache = model.init_cache(B, attend, dtype=self._cache_dtype)
-        hidden_BxTxD, cache = model.hidden_states(tokens_BxT, segment_ids=segment_BxT, cache=cache)
+        hidden_BxTxD, cache = self._hidden(model, periods, tokens_BxT, segment_ids=segment_BxT, cache=cache)
         if attend < self._max_len:
             cache = cache.widen_into(model.init_cache(B, self._max_len, dtype=self._cache_dtype))
         return cache, self._last_logits(model, hidden_BxTxD, true_len_B)
@@ -381,11 +420,11 @@ class Engine(EngineAPI):
     def _prefill_cont_impl(self, params, cache, tokens_1xT, true_length, attend: int):
         """One chunk of one request on top of its cache (``attend`` covers the cached tokens too)."""
         self.trace_counts[f"prefill_cont_{tokens_1xT.shape[1]}"] += 1
-        model = nnx.merge(self._graphdef, params)
+        model, periods = self._merge(params)
         t = tokens_1xT.shape[1]
         segment_1xT = (jnp.arange(t)[None, :] < true_length).astype(jnp.int32)
-        hidden_1xTxD, small = model.hidden_states(
-            tokens_1xT, segment_ids=segment_1xT, cache=self._narrow(cache, attend)
+        hidden_1xTxD, small = self._hidden(
+            model, periods, tokens_1xT, segment_ids=segment_1xT, cache=self._narrow(cache, attend)
         )
         return self._widen(small, cache), self._last_logits(model, hidden_1xTxD, true_length[None])
 
@@ -672,9 +711,11 @@ class Engine(EngineAPI):
         return self._deactivate_jit(decode_state, jnp.int32(slot))
 
     # ----------------------------------------------------------------- generate
-    def _decode_step(self, model, state: DecodeState):
+    def _decode_step(self, model, periods, state: DecodeState):
         active_S = state.active
-        res = model.hidden_states(
+        res = self._hidden(
+            model,
+            periods,
             state.tokens[:, None],
             segment_ids=active_S[:, None].astype(jnp.int32),
             cache=state.cache,
@@ -705,8 +746,10 @@ class Engine(EngineAPI):
 
     def _generate_impl(self, params, state: DecodeState):
         self.trace_counts["generate"] += 1
-        model = nnx.merge(self._graphdef, params)
-        new_state, (tokens_S, active_S, logprobs_S, generated_S, *_) = self._decode_step(model, state)
+        model, periods = self._merge(params)
+        new_state, (tokens_S, active_S, logprobs_S, generated_S, *_) = self._decode_step(
+            model, periods, state
+        )
         data_Sx3 = jnp.stack([tokens_S, active_S.astype(jnp.int32), generated_S], axis=-1)
         result = ResultTokens(data_Sx3, _TOKENS, _VALID, _LENGTHS, 1, log_prob=logprobs_S[:, None])
         return new_state, result
@@ -723,7 +766,7 @@ class Engine(EngineAPI):
         """Up to ``steps`` (traced, at most ``decode_steps``: one compile per ``attend``) decode steps;
         the loop ends early once no slot is decoding."""
         self.trace_counts[f"generate_block_{attend}"] += 1
-        model = nnx.merge(self._graphdef, params)
+        model, periods = self._merge(params)
         full = state.cache
         K, S = self.decode_steps, self._slots
         bufs = (
@@ -742,7 +785,7 @@ class Engine(EngineAPI):
 
         def body(carry):
             j, st, bufs = carry
-            st, outs = self._decode_step(model, st)
+            st, outs = self._decode_step(model, periods, st)
             bufs = tuple(jax.lax.dynamic_update_index_in_dim(b, o, j, axis=0) for b, o in zip(bufs, outs))
             return j + 1, st, bufs
 

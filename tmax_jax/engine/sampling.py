@@ -23,6 +23,7 @@ __all__ = [
     "SamplingParams",
     "derive_seed",
     "filter_logits",
+    "first_argmax",
     "request_key",
     "sample",
     "step_keys",
@@ -87,12 +88,31 @@ def sample(
     # The same truncated logits feed the draw and the logprob (one sort at most).
     kept_SxV = sampling_logits(logits_SxV, temperature_S, top_k_S, top_p_S)
 
-    def draw(kept):
-        return jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys_S, kept).astype(jnp.int32)
+    V = logits_SxV.shape[-1]
 
-    drawn_S = jax.lax.cond(jnp.all(greedy_S), lambda x: jnp.zeros(x.shape[:1], jnp.int32), draw, kept_SxV)
-    tokens_S = jnp.where(greedy_S, jnp.argmax(logits_SxV, axis=-1), drawn_S).astype(jnp.int32)
+    def noisy(kept):  # jax.random.categorical's Gumbel-max draw, noise added the same way
+        return jax.vmap(lambda k, row: jax.random.gumbel(k, (V,), row.dtype) + row)(keys_S, kept)
+
+    # One argmax for every row: of the logits where greedy, of Gumbel noise + kept logits where not
+    # (no random draw at all when every row is greedy).
+    scores_SxV = jax.lax.cond(
+        jnp.all(greedy_S),
+        lambda kept: logits_SxV,
+        lambda kept: jnp.where(greedy_S[:, None], logits_SxV, noisy(kept)),
+        kept_SxV,
+    )
+    tokens_S = first_argmax(scores_SxV)
     return tokens_S, logprob_at(kept_SxV, tokens_S)
+
+
+def first_argmax(x_SxV: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, axis=-1)`` as int32 (the first maximum; the first NaN where a row has one),
+    computed as a max then a min over the positions that hold it: two plain reductions, which XLA's
+    CPU backend runs ~5x faster than argmax's variadic reduce on a 248K vocabulary."""
+    m_Sx1 = jnp.max(x_SxV, axis=-1, keepdims=True)
+    hit_SxV = (x_SxV == m_Sx1) | jnp.isnan(x_SxV)
+    pos_SxV = jax.lax.broadcasted_iota(jnp.int32, x_SxV.shape, x_SxV.ndim - 1)
+    return jnp.min(jnp.where(hit_SxV, pos_SxV, x_SxV.shape[-1]), axis=-1)
 
 
 def derive_seed(seed: int, *keys: int) -> int:

@@ -20,7 +20,7 @@ class Qwen35Cache:
     lengths: jax.Array  # int32 [B]: valid tokens so far per row
     k: jax.Array  # [num_full_layers, B, max_len, num_kv_heads, head_dim] (cache dtype)
     v: jax.Array  # [num_full_layers, B, max_len, num_kv_heads, head_dim] (cache dtype)
-    conv: jax.Array  # [num_linear_layers, B, conv_dim, K] (cache dtype): last K inputs of the conv
+    conv: jax.Array  # [num_linear_layers, B, K, conv_dim] (cache dtype): last K inputs of the conv
     recurrent: jax.Array  # [num_linear_layers, B, Hv, dk, dv] float32
 
     @classmethod
@@ -31,7 +31,7 @@ class Qwen35Cache:
             lengths=jnp.zeros((batch_size,), jnp.int32),
             k=jnp.zeros(kv_shape, dtype),
             v=jnp.zeros(kv_shape, dtype),
-            conv=jnp.zeros((Ll, batch_size, cfg.conv_dim, cfg.linear_conv_kernel_dim), dtype),
+            conv=jnp.zeros((Ll, batch_size, cfg.linear_conv_kernel_dim, cfg.conv_dim), dtype),
             recurrent=jnp.zeros(
                 (
                     Ll,

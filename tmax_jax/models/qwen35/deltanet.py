@@ -133,7 +133,7 @@ class GatedDeltaNet(nnx.Module):
         *,
         state: tuple[jax.Array, jax.Array] | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        """``state`` = (conv ``[B, conv_dim, K]``, recurrent ``[B, Hv, dk, dv]`` float32) or None."""
+        """``state`` = (conv ``[B, K, conv_dim]``, recurrent ``[B, Hv, dk, dv]`` float32) or None."""
         dt = self.dtype
         B, T, _ = x_BxTxD.shape
         Hk, Hv, dk, dv, K = self.num_k_heads, self.num_v_heads, self.dk, self.dv, self.kernel
@@ -152,13 +152,13 @@ class GatedDeltaNet(nnx.Module):
             conv_BxTxC = causal_depthwise_conv(qkv_BxTxC, w_KxC, conv_groups)
         else:
             conv_state, rec_state = state
-            history_BxKxC = jnp.swapaxes(conv_state, 1, 2).astype(dt)
+            history_BxKxC = conv_state.astype(dt)
             full_BxLxC = jnp.concatenate([history_BxKxC, qkv_BxTxC], axis=1)  # L = K + T
             conv_BxTxC = sum(full_BxLxC[:, 1 + j : 1 + j + T] * w_KxC[None, None, j] for j in range(K))
             # The new conv state is the last K *valid* inputs of each row (pads never enter it).
             n_valid_B = valid_BxT.sum(-1)
             take = jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, K, axis=0))
-            new_conv = jnp.swapaxes(take(full_BxLxC, n_valid_B), 1, 2).astype(conv_state.dtype)
+            new_conv = take(full_BxLxC, n_valid_B).astype(conv_state.dtype)
         conv_BxTxC = jax.nn.silu(conv_BxTxC)
 
         kd = Hk * dk

@@ -44,6 +44,11 @@ def packed_positions_and_groups(segment_ids_BxT: jax.Array) -> tuple[jax.Array, 
     return idx - start_idx, groups_BxT
 
 
+def unstack_periods(block_state, num_periods: int) -> tuple:
+    """A stacked block state (leading axis = layer period) as ``num_periods`` states, one per period."""
+    return tuple(jax.tree.map(lambda a, g=g: a[g], block_state) for g in range(num_periods))
+
+
 class Qwen35ForCausalLM(nnx.Module):
     def __init__(
         self,
@@ -100,9 +105,16 @@ class Qwen35ForCausalLM(nnx.Module):
         router_stats: bool = False,
         routing: jax.Array | None = None,
         return_routing: bool = False,
+        periods: tuple | None = None,
     ):
         """Final-norm hidden states ``[B, T, D]``, then, each only when asked for: the new cache
         (given one), a ``RouterStats``, the expert ids used (a tuple when more than one).
+
+        ``periods`` (with a cache only): the block stack's weights as one state per layer period
+        (``unstack_periods``), used instead of the stacked ``self.blocks``: the periods then run as
+        an unrolled loop that reads each period's own buffers. Scanning the stacked weights copies
+        every period's slice out at every step, which for a decode step of a few tokens costs about
+        as much as its matmuls (the engine keeps its weights this way).
 
         MoE models only: ``router_stats`` returns ``[layers, E]`` per-expert sums over the valid tokens
         (load metrics; ``router_aux_loss``). ``routing`` (routing replay): int ``[layers, B, T, K]``
@@ -139,6 +151,9 @@ class Qwen35ForCausalLM(nnx.Module):
                     f"got {routing.dtype}{list(routing.shape)}"
                 )
             routing = routing.reshape(G, P, *want[1:])  # layer g * P + p -> [g, p]
+
+        def per_period(a):  # [layers_of_kind, ...] -> [G, per_period, ...]
+            return a.reshape(G, a.shape[0] // G, *a.shape[1:])
 
         if cache is None:
             default_pos, groups = packed_positions_and_groups(segment_ids)
@@ -187,14 +202,27 @@ class Qwen35ForCausalLM(nnx.Module):
         elif self.remat != "none":
             period = jax.checkpoint(period, policy=policy, prevent_cse=False)
 
+        if periods is not None and (cache is None or len(periods) != G):
+            raise ValueError(
+                f"periods: {G} per-period states are used with a cache only, got "
+                f"{len(periods)} {'with' if cache is not None else 'without'} a cache"
+            )
         if cache is None:
             x_BxTxD, (_, aux) = jax.lax.scan(period, x_BxTxD, (block_state, None, routing))
             new_cache = None
+        elif periods is not None:
+            full = [per_period(a) for a in (cache.k, cache.v, cache.conv, cache.recurrent)]
+            auxes = []
+            for g in range(G):  # static indices: each period's weights are their own buffers
+                mine = tuple(a[g] for a in full)
+                x_BxTxD, (new, aux_g) = period(
+                    x_BxTxD, (periods[g], mine, None if routing is None else routing[g])
+                )
+                full = [a.at[g].set(n.astype(a.dtype)) for a, n in zip(full, new)]
+                auxes.append(aux_g)
+            aux = jax.tree.map(lambda *xs: jnp.stack(xs), *auxes)
+            new_cache = self._next_cache(cache, full, segment_ids)
         else:
-
-            def per_period(a):  # [layers_of_kind, ...] -> [G, per_period, ...]
-                return a.reshape(G, a.shape[0] // G, *a.shape[1:])
-
             # The whole cache rides in the loop's carry and each period writes its slice back in
             # place: as the scan's stacked output it would be a second, cache-sized buffer written in
             # full and copied back at every decode step.
@@ -213,9 +241,7 @@ class Qwen35ForCausalLM(nnx.Module):
             (x_BxTxD, new), aux = jax.lax.scan(
                 period_in_place, (x_BxTxD, caches), (block_state, routing, jnp.arange(G))
             )
-            k, v, conv, rec = (a.reshape(-1, *a.shape[2:]) for a in new)
-            n_new = (segment_ids > 0).sum(-1).astype(cache.lengths.dtype)
-            new_cache = Qwen35Cache(lengths=cache.lengths + n_new, k=k, v=v, conv=conv, recurrent=rec)
+            new_cache = self._next_cache(cache, new, segment_ids)
 
         hidden_BxTxD = rms_norm(
             x_BxTxD, self.norm[...], cfg.rms_norm_eps, zero_centred=cfg.zero_centred_norms
@@ -225,6 +251,17 @@ class Qwen35ForCausalLM(nnx.Module):
         out = [hidden_BxTxD] + ([] if cache is None else [new_cache])
         out += [aux[k] for k in collect]
         return out[0] if len(out) == 1 else tuple(out)
+
+    @staticmethod
+    def _next_cache(cache: Qwen35Cache, per_period_arrays, segment_ids) -> Qwen35Cache:
+        k, v, conv, rec = (a.reshape(-1, *a.shape[2:]) for a in per_period_arrays)
+        n_new = (segment_ids > 0).sum(-1).astype(cache.lengths.dtype)
+        return Qwen35Cache(lengths=cache.lengths + n_new, k=k, v=v, conv=conv, recurrent=rec)
+
+    def unstack_periods(self) -> tuple:
+        """The block stack's state as one ``nnx.State`` per layer period (copies; ``hidden_states``'
+        ``periods``)."""
+        return unstack_periods(nnx.state(self.blocks), self.config.num_groups)
 
     def router_aux_loss(self, stats: RouterStats) -> jax.Array:
         """``router_aux_loss_coef`` times the load-balancing loss of ``stats`` (transformers'
