@@ -10,7 +10,7 @@ from helpers_hf import make_tiny_hf_checkpoint
 
 from tmax_jax.checkpoints import load_hf
 from tmax_jax.engine import Engine, Orchestrator, Request, SamplingParams
-from tmax_jax.engine.engine import PrefillRequest
+from tmax_jax.engine.engine import PeriodParams, PrefillRequest
 from tmax_jax.errors import ConfigError
 from tmax_jax.rl.logprobs import token_logprobs
 
@@ -235,3 +235,36 @@ def test_bad_block_arguments_are_named(model, engine):
         Engine(model, decode_steps=0)
     with pytest.raises(ConfigError, match="prompt_cache_entries"):
         Engine(model, prompt_cache_entries=-1)
+
+
+def test_unrolled_periods_match_the_scanned_stack_and_the_trainer(tmp_path):
+    """Two layer periods: the engine's unrolled periods (its own per-period weights) against the same
+    engine scanning the stacked weights, and both against the trainer's teacher-forced logprobs."""
+    model = load_hf(make_tiny_hf_checkpoint(tmp_path, seed=3, num_hidden_layers=8))
+    assert model.config.num_groups == 2
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 256, size=n).tolist() for n, *_ in REQS]
+    reqs = [Request(prompt=p, max_tokens=12, sampling=sp) for p, (_, sp, *_) in zip(prompts, REQS)]
+    outs = {}
+    for unroll in (True, False):
+        eng = Engine(model, max_concurrent_decodes=SLOTS, max_cache_length=MAX_LEN, max_prefill_length=16,
+                     decode_steps=STEPS, unroll_periods=unroll)  # fmt: skip
+        assert isinstance(eng.params, PeriodParams) == unroll
+        eng.update_params(nnx.state(model))  # the model's stacked state is split again
+        eng.update_params(eng.params)  # the engine's own form passes through
+        with Orchestrator(eng) as orch:
+            outs[unroll] = orch.generate(reqs)
+    for a, b, p, (_, sp, *_) in zip(outs[True], outs[False], prompts, REQS):
+        assert a.tokens == b.tokens and len(a.tokens) == 12
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6, rtol=0)
+        ref = trainer_logprobs(model, p, a.tokens, sp.temperature, sp.top_k, sp.top_p)
+        np.testing.assert_allclose(a.logprobs, ref, atol=2e-5, rtol=0)
+
+
+def test_periods_argument_is_checked(model):
+    ids = jnp.zeros((1, 3), jnp.int32)
+    periods = model.unstack_periods()
+    with pytest.raises(ValueError, match="with a cache only"):
+        model.hidden_states(ids, periods=periods)
+    with pytest.raises(ValueError, match="per-period states"):
+        model.hidden_states(ids, cache=model.init_cache(1, 8), periods=periods + periods)
