@@ -217,15 +217,20 @@ class GatedAttention(nnx.Module):
             k_idx_S = jnp.arange(T)
             q_seg_BxT, k_seg_BxS = segment_ids_BxT, segment_ids_BxT
         else:
-            cache_k, cache_v = kv_cache
-            S = cache_k.shape[1]
+            # (k, v) of this layer [B, S, G, E], or (k, v, layer) of every attention layer
+            # [La, B, S, G, E]: then the new tokens are written into the stacked arrays in place.
+            cache_k, cache_v, *layer = kv_cache
+            idx = tuple(layer)
+            S = cache_k.shape[len(idx) + 1]
             slot_BxT = lengths_B[:, None] + jnp.arange(T)[None, :]
             # Pads write out of bounds, which mode="drop" discards: the cache never sees them.
             rows = jnp.arange(B)[:, None]
             write_BxT = jnp.where(valid_BxT, slot_BxT, S)
-            cache_k = cache_k.at[rows, write_BxT].set(k_BxTxGxE.astype(cache_k.dtype), mode="drop")
-            cache_v = cache_v.at[rows, write_BxT].set(v_BxTxGxE.astype(cache_v.dtype), mode="drop")
+            cache_k = cache_k.at[(*idx, rows, write_BxT)].set(k_BxTxGxE.astype(cache_k.dtype), mode="drop")
+            cache_v = cache_v.at[(*idx, rows, write_BxT)].set(v_BxTxGxE.astype(cache_v.dtype), mode="drop")
             new_cache = (cache_k, cache_v)
+            if idx:
+                cache_k, cache_v = cache_k[idx[0]], cache_v[idx[0]]
             keys, values = cache_k.astype(dt), cache_v.astype(dt)
             new_len_B = lengths_B + valid_BxT.sum(-1).astype(lengths_B.dtype)
             q_idx_BxT, k_idx_S = slot_BxT, jnp.arange(S)

@@ -211,17 +211,28 @@ class Qwen35ForCausalLM(nnx.Module):
             x_BxTxD, (_, aux) = jax.lax.scan(period, x_BxTxD, (block_state, None, routing))
             new_cache = None
         elif periods is not None:
-            full = [per_period(a) for a in (cache.k, cache.v, cache.conv, cache.recurrent)]
-            auxes = []
-            for g in range(G):  # static indices: each period's weights are their own buffers
-                mine = tuple(a[g] for a in full)
-                x_BxTxD, (new, aux_g) = period(
-                    x_BxTxD, (periods[g], mine, None if routing is None else routing[g])
+            # Static indices: each period reads its own weight buffers and every layer updates its
+            # slice of the stacked cache arrays in place.
+            full = (cache.k, cache.v, cache.conv, cache.recurrent)
+            n_full = cfg.num_full_layers // G
+            n_lin = cfg.num_linear_layers // G
+            auxes, convs = [], []
+            for g in range(G):
+                block = nnx.merge(graphdef, periods[g])
+                x_BxTxD, full, conv_g, aux_g = block.decode(
+                    x_BxTxD,
+                    ctx,
+                    full,
+                    (g * n_full, g * n_lin),
+                    replay=None if routing is None else routing[g],
+                    collect=collect,
                 )
-                full = [a.at[g].set(n.astype(a.dtype)) for a, n in zip(full, new)]
                 auxes.append(aux_g)
+                convs += conv_g
             aux = jax.tree.map(lambda *xs: jnp.stack(xs), *auxes)
-            new_cache = self._next_cache(cache, full, segment_ids)
+            if convs:
+                full = (*full[:2], jnp.stack(convs), full[3])
+            new_cache = self._next_cache(cache, [per_period(a) for a in full], segment_ids)
         else:
             # The whole cache rides in the loop's carry and each period writes its slice back in
             # place: as the scan's stacked output it would be a second, cache-sized buffer written in
