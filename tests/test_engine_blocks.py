@@ -268,3 +268,21 @@ def test_periods_argument_is_checked(model):
         model.hidden_states(ids, periods=periods)
     with pytest.raises(ValueError, match="per-period states"):
         model.hidden_states(ids, cache=model.init_cache(1, 8), periods=periods + periods)
+
+
+def test_decode_block_temporaries_stay_below_the_kv_cache(model):
+    """XLA's compiled memory analysis of a decode block attending over a 2048-token cache: its
+    temporaries stay below one and a half KV caches. Decode attention once padded its one query per
+    slot to a 512-query flash block (about 9x the cache in scores and 512x the work), and the block
+    once stacked every period's cache into a fresh copy."""
+    eng = Engine(
+        model, max_concurrent_decodes=8, max_cache_length=2048, max_prefill_length=16, min_attend_bucket=2048
+    )
+    state = eng.init_decode_state()
+    block = jax.jit(eng._generate_block_impl, static_argnums=(3,), donate_argnums=(1,))
+    compiled = block.lower(eng.params, state, jnp.int32(4), 2048).compile()
+    kv_bytes = state.cache.k.nbytes + state.cache.v.nbytes
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < 1.5 * kv_bytes, (
+        f"{temp / 2**20:.1f} MiB of temporaries for a {kv_bytes / 2**20:.1f} MiB KV cache"
+    )

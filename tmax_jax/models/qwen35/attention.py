@@ -137,7 +137,7 @@ def masked_attention(
     """Softmax attention (scores and softmax in float32) where query t sees key s iff
     ``k_idx[s] <= q_idx[t]`` and ``k_seg[s] == q_seg[t]``.
 
-    Up to ``block`` queries and keys: one softmax (for causal self-attention, in query blocks that skip
+    Up to ``block`` queries and keys, or fewer queries whose scores are no bigger: one softmax (for causal self-attention, in query blocks that skip
     the keys after them). Past it, memory is O(T): on TPU, for causal
     self-attention (``causal_self``: keys are the queries, ``k_idx = q_idx = arange``), the Pallas
     splash kernel; elsewhere the blockwise flash form with its own backward pass (flash_attention.py).
@@ -145,14 +145,17 @@ def masked_attention(
     no segment ids, and packing needs them.
     """
     T, S = q_BxTxGxRxE.shape[1], k_BxSxGxE.shape[1]
-    if T <= block and S <= block:
+    # A few queries over a long cache (decode, short prefill chunks) stay unblocked as long as their
+    # scores are no bigger than one block's: padding them to a query block would multiply the work.
+    if T <= block and (S <= block or T * S <= block * block):
         if causal_self:
             return _causal_unblocked(q_BxTxGxRxE, k_BxSxGxE, v_BxSxGxE, q_seg_BxT)
         return _unblocked(q_BxTxGxRxE, k_BxSxGxE, v_BxSxGxE, q_idx_BxT, q_seg_BxT, k_idx_S, k_seg_BxS)
     if causal_self and jax.default_backend() == "tpu" and T % min(SPLASH_BLOCK, T) == 0:
         return splash_attention(q_BxTxGxRxE, k_BxSxGxE, v_BxSxGxE, q_seg_BxT)
     b = min(block, FLASH_BLOCK)
-    return flash_attention(q_BxTxGxRxE, k_BxSxGxE, v_BxSxGxE, q_idx_BxT, q_seg_BxT, k_idx_S, k_seg_BxS, b, b)
+    bq = min(b, T)  # fewer queries than a block: one block of exactly them, not padded
+    return flash_attention(q_BxTxGxRxE, k_BxSxGxE, v_BxSxGxE, q_idx_BxT, q_seg_BxT, k_idx_S, k_seg_BxS, bq, b)
 
 
 class GatedAttention(nnx.Module):
