@@ -122,8 +122,8 @@ def test_right_padding_leaves_the_cache_exactly_as_the_unpadded_prefill(model, p
         np.asarray(padded.recurrent[:, 1]), np.asarray(unpadded.recurrent[:, 0]), atol=1e-6
     )
     np.testing.assert_allclose(np.asarray(padded.conv[:, 1]), np.asarray(unpadded.conv[:, 0]), atol=1e-6)
-    np.testing.assert_allclose(np.asarray(padded.k[:, 1, :50]), np.asarray(unpadded.k[:, 0, :50]), atol=1e-6)
-    assert not np.asarray(padded.k[:, 1, 50:]).any(), "pads must not be written to the KV cache"
+    np.testing.assert_allclose(np.asarray(padded.k[:, 1, :, :50]), np.asarray(unpadded.k[:, 0, :, :50]), atol=1e-6)
+    assert not np.asarray(padded.k[:, 1, :, 50:]).any(), "pads must not be written to the KV cache"
 
 
 def test_packed_segments_equal_separate_forwards(model, pure):
@@ -182,7 +182,7 @@ def test_cache_layout_reset_rows_and_pytree(model):
     cfg = model.config
     cache = model.init_cache(3, 32, dtype=jnp.bfloat16)
     assert isinstance(cache, Qwen35Cache)
-    assert cache.k.shape == (cfg.num_full_layers, 3, 32, cfg.num_key_value_heads, cfg.head_dim)
+    assert cache.k.shape == (cfg.num_full_layers, 3, cfg.num_key_value_heads, 32, cfg.head_dim)
     assert cache.conv.shape == (cfg.num_linear_layers, 3, cfg.linear_conv_kernel_dim, cfg.conv_dim)
     assert cache.recurrent.shape[1:] == (3, cfg.linear_num_value_heads, cfg.linear_key_head_dim, 16)
     assert cache.k.dtype == jnp.bfloat16 and cache.recurrent.dtype == jnp.float32

@@ -39,9 +39,12 @@ def _attend(q_BxTxGxRxE, k_BxGxSxE, v_BxGxSxE, mask_BxTxS):
     return out_BxGxNxE.reshape(B, G, T, R, E).transpose(0, 2, 1, 3, 4)
 
 
-def _unblocked(q, k, v, q_idx, q_seg, k_idx, k_seg):
+def _unblocked(q, k, v, q_idx, q_seg, k_idx, k_seg, head_major=False):
+    """Keys and values ``[B, S, G, E]``, or ``[B, G, S, E]`` with ``head_major``."""
     mask_BxTxS = (k_idx[None, None, :] <= q_idx[:, :, None]) & (k_seg[:, None, :] == q_seg[:, :, None])
-    return _attend(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask_BxTxS)
+    if not head_major:
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    return _attend(q, k, v, mask_BxTxS)
 
 
 def _causal_unblocked(q_BxTxGxRxE, k_BxTxGxE, v_BxTxGxE, seg_BxT, block: int = CAUSAL_BLOCK):
@@ -133,6 +136,7 @@ def masked_attention(
     *,
     block: int = QUERY_BLOCK,
     causal_self: bool = False,
+    head_major: bool = False,
 ) -> jax.Array:
     """Softmax attention (scores and softmax in float32) where query t sees key s iff
     ``k_idx[s] <= q_idx[t]`` and ``k_seg[s] == q_seg[t]``.
@@ -143,14 +147,21 @@ def masked_attention(
     splash kernel; elsewhere the blockwise flash form with its own backward pass (flash_attention.py).
     cuDNN's fused attention (``jax.nn.dot_product_attention``) is not used: the installed JAX gives it
     no segment ids, and packing needs them.
+
+    ``head_major``: keys and values come as ``[B, G, S, E]`` (the decode cache's layout) instead of
+    ``[B, S, G, E]``.
     """
-    T, S = q_BxTxGxRxE.shape[1], k_BxSxGxE.shape[1]
+    T, S = q_BxTxGxRxE.shape[1], k_BxSxGxE.shape[2 if head_major else 1]
     # A few queries over a long cache (decode, short prefill chunks) stay unblocked as long as their
     # scores are no bigger than one block's: padding them to a query block would multiply the work.
     if T <= block and (S <= block or T * S <= block * block):
         if causal_self:
             return _causal_unblocked(q_BxTxGxRxE, k_BxSxGxE, v_BxSxGxE, q_seg_BxT)
-        return _unblocked(q_BxTxGxRxE, k_BxSxGxE, v_BxSxGxE, q_idx_BxT, q_seg_BxT, k_idx_S, k_seg_BxS)
+        return _unblocked(
+            q_BxTxGxRxE, k_BxSxGxE, v_BxSxGxE, q_idx_BxT, q_seg_BxT, k_idx_S, k_seg_BxS, head_major
+        )
+    if head_major:
+        k_BxSxGxE, v_BxSxGxE = k_BxSxGxE.transpose(0, 2, 1, 3), v_BxSxGxE.transpose(0, 2, 1, 3)
     if causal_self and jax.default_backend() == "tpu" and T % min(SPLASH_BLOCK, T) == 0:
         return splash_attention(q_BxTxGxRxE, k_BxSxGxE, v_BxSxGxE, q_seg_BxT)
     b = min(block, FLASH_BLOCK)
@@ -220,17 +231,19 @@ class GatedAttention(nnx.Module):
             k_idx_S = jnp.arange(T)
             q_seg_BxT, k_seg_BxS = segment_ids_BxT, segment_ids_BxT
         else:
-            # (k, v) of this layer [B, S, G, E], or (k, v, layer) of every attention layer
-            # [La, B, S, G, E]: then the new tokens are written into the stacked arrays in place.
+            # (k, v) of this layer [B, G, S, E], or (k, v, layer) of every attention layer
+            # [La, B, G, S, E]: then the new tokens are written into the stacked arrays in place.
             cache_k, cache_v, *layer = kv_cache
             idx = tuple(layer)
-            S = cache_k.shape[len(idx) + 1]
+            S = cache_k.shape[len(idx) + 2]
             slot_BxT = lengths_B[:, None] + jnp.arange(T)[None, :]
             # Pads write out of bounds, which mode="drop" discards: the cache never sees them.
             rows = jnp.arange(B)[:, None]
             write_BxT = jnp.where(valid_BxT, slot_BxT, S)
-            cache_k = cache_k.at[(*idx, rows, write_BxT)].set(k_BxTxGxE.astype(cache_k.dtype), mode="drop")
-            cache_v = cache_v.at[(*idx, rows, write_BxT)].set(v_BxTxGxE.astype(cache_v.dtype), mode="drop")
+            # Row b's token t goes to [.., b, :, write[b, t]] (the indexed dims lead the update: [B, T, G, E]).
+            at = (*idx, rows, slice(None), write_BxT)
+            cache_k = cache_k.at[at].set(k_BxTxGxE.astype(cache_k.dtype), mode="drop")
+            cache_v = cache_v.at[at].set(v_BxTxGxE.astype(cache_v.dtype), mode="drop")
             new_cache = (cache_k, cache_v)
             if idx:
                 cache_k, cache_v = cache_k[idx[0]], cache_v[idx[0]]
@@ -242,7 +255,7 @@ class GatedAttention(nnx.Module):
             k_seg_BxS = (k_idx_S[None, :] < new_len_B[:, None]).astype(jnp.int32)
 
         H = q_BxTxHxE.shape[2]
-        G = keys.shape[2]
+        G = keys.shape[1] if kv_cache is not None else keys.shape[2]
         q_BxTxGxRxE = q_BxTxHxE.reshape(B, T, G, H // G, hd)
         attn_BxTxGxRxE = masked_attention(
             q_BxTxGxRxE,
@@ -254,6 +267,7 @@ class GatedAttention(nnx.Module):
             k_seg_BxS,
             block=self.query_block,
             causal_self=kv_cache is None,
+            head_major=kv_cache is not None,
         )
         attn_BxTxHxE = attn_BxTxGxRxE.reshape(B, T, H, hd)
         if self.gated:

@@ -18,15 +18,17 @@ from tmax_jax.models.qwen35.config import Qwen35Config
 @dataclasses.dataclass(frozen=True)
 class Qwen35Cache:
     lengths: jax.Array  # int32 [B]: valid tokens so far per row
-    k: jax.Array  # [num_full_layers, B, max_len, num_kv_heads, head_dim] (cache dtype)
-    v: jax.Array  # [num_full_layers, B, max_len, num_kv_heads, head_dim] (cache dtype)
+    # Head-major, so that decode attention reads each head's keys as one [max_len, head_dim] matrix
+    # (a [.., max_len, heads, ..] layout costs a transposed copy of every layer's cache per step).
+    k: jax.Array  # [num_full_layers, B, num_kv_heads, max_len, head_dim] (cache dtype)
+    v: jax.Array  # [num_full_layers, B, num_kv_heads, max_len, head_dim] (cache dtype)
     conv: jax.Array  # [num_linear_layers, B, K, conv_dim] (cache dtype): last K inputs of the conv
     recurrent: jax.Array  # [num_linear_layers, B, Hv, dk, dv] float32
 
     @classmethod
     def create(cls, cfg: Qwen35Config, batch_size: int, max_len: int, dtype=jnp.bfloat16) -> Qwen35Cache:
         La, Ll = cfg.num_full_layers, cfg.num_linear_layers
-        kv_shape = (La, batch_size, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        kv_shape = (La, batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
         return cls(
             lengths=jnp.zeros((batch_size,), jnp.int32),
             k=jnp.zeros(kv_shape, dtype),
@@ -50,7 +52,7 @@ class Qwen35Cache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     def replace(self, **changes) -> Qwen35Cache:
         return dataclasses.replace(self, **changes)
@@ -77,11 +79,11 @@ class Qwen35Cache:
         calls that use it; write the result back with :meth:`widen_into`."""
         if length >= self.max_len:
             return self
-        return self.replace(k=self.k[:, :, :length], v=self.v[:, :, :length])
+        return self.replace(k=self.k[:, :, :, :length], v=self.v[:, :, :, :length])
 
     def widen_into(self, full: Qwen35Cache) -> Qwen35Cache:
         """This (narrowed) cache written into ``full``'s KV arrays; the other leaves are this one's."""
         if self.max_len == full.max_len:
             return self
-        put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), 0, axis=2)  # noqa: E731
+        put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), 0, axis=3)  # noqa: E731
         return self.replace(k=put(full.k, self.k), v=put(full.v, self.v))
