@@ -122,7 +122,9 @@ def test_right_padding_leaves_the_cache_exactly_as_the_unpadded_prefill(model, p
         np.asarray(padded.recurrent[:, 1]), np.asarray(unpadded.recurrent[:, 0]), atol=1e-6
     )
     np.testing.assert_allclose(np.asarray(padded.conv[:, 1]), np.asarray(unpadded.conv[:, 0]), atol=1e-6)
-    np.testing.assert_allclose(np.asarray(padded.k[:, 1, :, :50]), np.asarray(unpadded.k[:, 0, :, :50]), atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(padded.k[:, 1, :, :50]), np.asarray(unpadded.k[:, 0, :, :50]), atol=1e-6
+    )
     assert not np.asarray(padded.k[:, 1, :, 50:]).any(), "pads must not be written to the KV cache"
 
 
