@@ -5,7 +5,9 @@ orchestrator (prefills included); ``decode tok/s`` = the same once every request
 token (continuous decoding); ``step-only`` = the jitted decode alone, in blocks of
 ``decode_steps`` (``step ms`` per decode step; ``1-step ms`` = one ``Engine.generate`` call); speedups
 are against transformers' generate tokens/s (prefill included) on the same prompts. The last lines:
-the decode-step time ratio between the largest and 8 slots, and a GRPO-style group case
+the decode-step time ratio between the largest and 8 slots, the acceptance check's shape (the
+project's ``generate()``, 8 sampled prompts of 64 tokens, against transformers' sampled ``generate``),
+a decode step over a long cache, and a GRPO-style group case
 (``--group-samples`` sampled completions of each of ``--group-prompts`` prompts) with the number of
 prompt rows the engine prefilled.
 
@@ -170,6 +172,56 @@ def bench_group(model, hf, prompts: np.ndarray, samples: int, new: int, slots: i
     return out
 
 
+def bench_api(model, hf, prompts: np.ndarray, new: int, rounds: int = 3) -> dict:
+    """The acceptance check's shape: ``tmax_jax.engine.generate`` (sampled, T=1) on ``prompts`` against
+    transformers' sampled ``generate`` on the same weights, best of ``rounds`` warm calls each
+    (the first engine call compiles and is reported apart)."""
+    import torch
+
+    from tmax_jax.engine import generate
+
+    t0 = time.perf_counter()
+    generate(model, prompts.tolist(), max_new_tokens=new, temperature=1.0, seed=0)
+    cold = time.perf_counter() - t0
+    eng, ref = [], []
+    ids = torch.as_tensor(prompts, dtype=torch.long)
+    kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0,
+              attention_mask=torch.ones_like(ids))  # fmt: skip
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        outs = generate(model, prompts.tolist(), max_new_tokens=new, temperature=1.0, seed=r + 1)
+        eng.append(sum(len(o.tokens) for o in outs) / (time.perf_counter() - t0))
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            hf.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
+            ref.append(len(prompts) * new / (time.perf_counter() - t0))
+    return dict(tok_s=max(eng), hf_tok_s=max(ref), cold_s=cold)
+
+
+def bench_long(model, slots: int, keys: int, cache_dtype) -> float:
+    """ms per decode step with ``slots`` slots attending over ``keys`` cached positions."""
+    from tmax_jax.engine import Engine
+
+    eng = Engine(model, max_concurrent_decodes=slots, max_cache_length=keys, max_prefill_length=64,
+                 min_attend_bucket=keys, cache_dtype=cache_dtype, eos_token_ids=())  # fmt: skip
+    params = eng.params
+    prompt = np.arange(48) % eng.vocab_size
+    prefix, _ = eng.prefill(params=params, padded_tokens=prompt, true_length=48, max_tokens=10**6)
+    state = eng.init_decode_state()
+    for s in range(slots):
+        state = eng.insert(prefix, state, s)
+    k = eng.decode_steps
+    state, blk = eng.generate_block(params, state, k, 48 + k)
+    blk.tokens.block_until_ready()
+    times = []
+    for b in range(5):
+        t0 = time.perf_counter()
+        state, blk = eng.generate_block(params, state, k, 48 + (b + 2) * k)
+        blk.tokens.block_until_ready()
+        times.append((time.perf_counter() - t0) / k)
+    return statistics.median(times) * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
@@ -182,6 +234,9 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true", help="engine only (large presets)")
     ap.add_argument("--group-prompts", type=int, default=4, help="group case: prompts (0 = skip the case)")
     ap.add_argument("--group-samples", type=int, default=32, help="group case: samples per prompt")
+    ap.add_argument("--api-prompts", type=int, default=8, help="generate() case: prompts (0 = skip)")
+    ap.add_argument("--api-prompt-len", type=int, default=64)
+    ap.add_argument("--long-keys", type=int, default=4096, help="long-cache decode case: keys (0 = skip)")
     args = ap.parse_args()
 
     import jax
@@ -223,6 +278,15 @@ def main() -> None:
     top = max(step_ms)
     if 8 in step_ms and top > 8:
         print(f"decode step, {top} slots / 8 slots: {step_ms[top] / step_ms[8]:.2f}x")
+    if args.api_prompts > 0 and hf is not None and not args.skip_hf:
+        prompts = rng.integers(0, vocab, size=(args.api_prompts, args.api_prompt_len)).astype(np.int32)
+        a = bench_api(model, hf, prompts, args.new)
+        print(f"generate(): {args.api_prompts} prompts x {args.api_prompt_len} tokens, {args.new} sampled: engine "
+              f"{a['tok_s']:.0f} tok/s, HF {a['hf_tok_s']:.0f} tok/s ({a['tok_s'] / a['hf_tok_s']:.1f}x; best of 3 "
+              f"warm calls each; the first engine call, compiling, took {a['cold_s']:.1f} s)")  # fmt: skip
+    if args.long_keys > 0:
+        ms = bench_long(model, 8, args.long_keys, dtype)
+        print(f"long cache: 8 slots attending over {args.long_keys} keys: {ms:.2f} ms per decode step")
     if args.group_prompts > 0:
         slots = max(args.concurrency)
         prompts = rng.integers(0, vocab, size=(args.group_prompts, args.prompt_len)).astype(np.int32)
