@@ -286,3 +286,46 @@ def test_decode_block_temporaries_stay_below_the_kv_cache(model):
     assert temp < 1.5 * kv_bytes, (
         f"{temp / 2**20:.1f} MiB of temporaries for a {kv_bytes / 2**20:.1f} MiB KV cache"
     )
+
+
+def test_batched_first_tokens_equal_one_request_at_a_time(engine):
+    """prefill_many draws every request's first token in one call (padded to a power of two): exactly
+    what each request draws alone."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in (6, 9, 12)]
+    sps = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.9, top_k=5, seed=-3),
+        SamplingParams(temperature=1.0, top_p=0.8, seed=2**31 - 1),
+    ]
+    reqs = [PrefillRequest(p, sp, 20 + i, (7, 9)) for i, (p, sp) in enumerate(zip(prompts, sps))]
+    engine.update_params(engine.params)
+    batched = engine.prefill_many(engine.params, reqs)
+    alone = []
+    for r in reqs:
+        engine.update_params(engine.params)  # no prompt-cache hit: each one prefilled alone
+        alone += engine.prefill_many(engine.params, [r])
+    for b, a in zip(batched, alone):
+        for name in ("token", "temperature", "top_k", "top_p", "max_tokens", "stop_ids"):
+            np.testing.assert_array_equal(
+                np.asarray(getattr(b, name)), np.asarray(getattr(a, name)), err_msg=name
+            )
+        np.testing.assert_array_equal(np.asarray(b.key), np.asarray(a.key))
+        np.testing.assert_allclose(np.asarray(b.log_prob), np.asarray(a.log_prob), atol=1e-6, rtol=0)
+    for b, sp in zip(batched, sps):  # each key is jax.random.key(seed), made on the host
+        np.testing.assert_array_equal(np.asarray(b.key), jax.random.key_data(jax.random.key(sp.seed))[None])
+    # A seed past int32 takes the host path (jax.random.key of the Python int) for the whole call.
+    big = SamplingParams(temperature=1.0, seed=2**40 + 5)
+    engine.update_params(engine.params)
+    mixed = engine.prefill_many(engine.params, [reqs[1], PrefillRequest(prompts[0], big, 5)])
+    assert int(mixed[0].token[0]) == int(batched[1].token[0])
+    np.testing.assert_array_equal(np.asarray(mixed[0].key), np.asarray(batched[1].key))
+    np.testing.assert_array_equal(
+        np.asarray(mixed[1].key), jax.random.key_data(jax.random.key(2**40 + 5))[None]
+    )
+    state = engine.init_decode_state()
+    for slot, p in enumerate(batched):  # host-side fields and raw key data go into a slot as they are
+        state = engine.insert(p, state, slot)
+    np.testing.assert_array_equal(
+        jax.random.key_data(state.key[:3]), np.concatenate([np.asarray(p.key) for p in alone])
+    )

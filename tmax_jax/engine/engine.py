@@ -42,7 +42,7 @@ class Prefix:
     cache: Any
     token: jax.Array  # int32 [1]
     log_prob: jax.Array  # float32 [1]
-    key: jax.Array  # PRNG key [1]: the request's base key
+    key: jax.Array  # PRNG key [1]: the request's base key (or its raw key data [1, 2], uint32)
     temperature: jax.Array  # float32 [1]
     top_k: jax.Array  # int32 [1]
     top_p: jax.Array  # float32 [1]
@@ -92,6 +92,13 @@ class PrefillRequest:
     max_tokens: int | None = None
     stop_token_ids: Sequence[int] | None = None
     existing_prefix: Prefix | None = None
+
+
+def _typed_key(key: jax.Array, like: jax.Array) -> jax.Array:
+    """``key`` as ``like``'s typed PRNG keys (a prefix made by ``prefill_many`` holds raw key data)."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key
+    return jax.random.wrap_key_data(key, impl=jax.random.key_impl(like))
 
 
 class PeriodParams(struct.PyTreeNode):
@@ -235,7 +242,9 @@ class Engine(EngineAPI):
         self._prefill_fresh_jit = launch.jit(self._prefill_fresh_impl, static_argnums=(3,))
         self._prefill_cont_jit = launch.jit(self._prefill_cont_impl, static_argnums=(4,))
         self._row_jit = launch.jit(self._row_impl)
+        self._rows_jit = launch.jit(self._rows_impl)
         self._sample_first_jit = launch.jit(self._sample_first_impl)
+        self._first_tokens_jit = launch.jit(self._first_tokens_impl)
         self._generate_jit = launch.jit(self._generate_impl, donate_argnums=(1,))
         self._block_jit = launch.jit(self._generate_block_impl, static_argnums=(3,), donate_argnums=(1,))
         self._live_length_jit = launch.jit(self._live_length_impl)
@@ -433,6 +442,20 @@ class Engine(EngineAPI):
         rows = [jax.lax.dynamic_slice_in_dim(x, row, 1, axis=a) for x, a in zip(leaves, self._axes)]
         return jax.tree.unflatten(treedef, rows), jax.lax.dynamic_slice_in_dim(logits_BxV, row, 1, axis=0)
 
+    def _rows_impl(self, cache_B, logits_BxV):
+        """Every row of a batched prefill (cache and logits), as separate arrays, in one call."""
+        return tuple(self._row_impl(cache_B, logits_BxV, j) for j in range(logits_BxV.shape[0]))
+
+    def _first_tokens_impl(self, logits, seeds_N, temperature_N, top_k_N, top_p_N):
+        """The first token of N requests in one call (``_sample_first_impl`` row by row: each row's
+        key is ``request_key(seed)``, its draw that key at step 0): tokens, logprobs, key data."""
+        self.trace_counts[f"first_tokens_{len(logits)}"] += 1
+        logits_NxV = jnp.concatenate(logits, axis=0)
+        key_N = jax.vmap(sampling.request_key)(seeds_N)
+        keys_N = sampling.step_keys(key_N, jnp.zeros(seeds_N.shape, jnp.int32))
+        token_N, logprob_N = sampling.sample(logits_NxV, keys_N, temperature_N, top_k_N, top_p_N)
+        return token_N, logprob_N, jax.random.key_data(key_N)
+
     def _sample_first_impl(self, logits_1xV, key_1, temperature_1, top_k_1, top_p_1):
         self.trace_counts["sample_first"] += 1
         keys_1 = sampling.step_keys(key_1, jnp.zeros((1,), jnp.int32))
@@ -478,25 +501,73 @@ class Engine(EngineAPI):
         return tokens.astype(np.int32)
 
     def _make_prefix(self, cache, logits_1xV, req: PrefillRequest, length: int) -> Prefix:
+        """One request's prefix, its key from ``request_key(seed)`` on the host (any integer seed);
+        the same host-side fields as ``_make_prefixes``."""
         sp = req.sampling_params or self.default_sampling
         key_1 = sampling.request_key(sp.seed)[None]
-        temperature_1 = jnp.full((1,), sp.temperature, jnp.float32)
-        top_k_1 = jnp.full((1,), sp.top_k, jnp.int32)
-        top_p_1 = jnp.full((1,), sp.top_p, jnp.float32)
-        token_1, logprob_1 = self._sample_first_jit(logits_1xV, key_1, temperature_1, top_k_1, top_p_1)
+        temperature_1 = np.full((1,), sp.temperature, np.float32)
+        top_k_1 = np.full((1,), sp.top_k, np.int32)
+        top_p_1 = np.full((1,), sp.top_p, np.float32)
+        token_1, logprob_1, key_data_1 = jax.device_get(
+            (
+                *self._sample_first_jit(logits_1xV, key_1, temperature_1, top_k_1, top_p_1),
+                jax.random.key_data(key_1),
+            )
+        )
         max_tokens = self._max_len if req.max_tokens is None else req.max_tokens
         return Prefix(
             cache=cache,
             token=token_1,
             log_prob=logprob_1,
-            key=key_1,
+            key=key_data_1,
             temperature=temperature_1,
             top_k=top_k_1,
             top_p=top_p_1,
-            max_tokens=jnp.full((1,), max_tokens, jnp.int32),
-            stop_ids=jnp.asarray(self._stop_array(req.stop_token_ids)),
+            max_tokens=np.full((1,), max_tokens, np.int32),
+            stop_ids=self._stop_array(req.stop_token_ids),
             length=length,
         )
+
+    def _make_prefixes(self, items: list[tuple[Any, jax.Array, PrefillRequest, int]]) -> list[Prefix]:
+        """``_make_prefix`` for each (cache, logits [1, V], request, length), the first tokens drawn in
+        one call (the count padded to a power of two, so few shapes compile) and read back at once:
+        the prefixes' small fields are host arrays (their key as raw key data), so making them costs
+        no device call per request (the caller reads the first tokens right away anyway)."""
+        sps = [req.sampling_params or self.default_sampling for _, _, req, _ in items]
+        if any(not -(2**31) <= sp.seed < 2**31 for sp in sps):
+            # A seed past int32: its key comes from jax.random.key on the host, one request at a time.
+            return [self._make_prefix(*item) for item in items]
+        n = _next_pow2(len(items))
+        pad = n - len(items)
+        logits = tuple(lg for _, lg, _, _ in items) + (items[-1][1],) * pad
+        sps = sps + [sps[-1]] * pad
+        reqs = [req for _, _, req, _ in items] + [items[-1][2]] * pad
+        max_tokens = [self._max_len if r.max_tokens is None else r.max_tokens for r in reqs]
+        temperature = np.array([sp.temperature for sp in sps], np.float32)
+        top_k = np.array([sp.top_k for sp in sps], np.int32)
+        top_p = np.array([sp.top_p for sp in sps], np.float32)
+        token, log_prob, key_data = jax.device_get(
+            self._first_tokens_jit(
+                logits, np.array([sp.seed for sp in sps], np.int32), temperature, top_k, top_p
+            )
+        )
+        max_tok = np.array(max_tokens, np.int32)
+        stop_ids = np.stack([self._stop_array(r.stop_token_ids)[0] for r in reqs])
+        return [
+            Prefix(
+                cache=cache,
+                token=token[i : i + 1],
+                log_prob=log_prob[i : i + 1],
+                key=key_data[i : i + 1],
+                temperature=temperature[i : i + 1],
+                top_k=top_k[i : i + 1],
+                top_p=top_p[i : i + 1],
+                max_tokens=max_tok[i : i + 1],
+                stop_ids=stop_ids[i : i + 1],
+                length=length,
+            )
+            for i, (cache, _, _, length) in enumerate(items)
+        ]
 
     def _prefill_chunked(self, params, tokens: np.ndarray, existing: Prefix | None):
         """One request, chunked by ``max_prefill_length``, on top of ``existing``; (cache, logits)."""
@@ -536,7 +607,8 @@ class Engine(EngineAPI):
             base = 0 if r.existing_prefix is None else r.existing_prefix.length
             tokens = self._check_request(r.tokens, len(r.tokens), base, r.max_tokens)
             checked.append(tokens)
-        out: list[Prefix | None] = [None] * len(requests)
+        # (request index, cache, last logits [1, V], tokens cached): first tokens drawn at the end.
+        made: list[tuple[int, Any, jax.Array, int]] = []
         shared: dict[tuple[int, ...], list[int]] = {}
         for i, (r, tokens) in enumerate(zip(requests, checked)):
             if r.existing_prefix is None and len(tokens) <= self._max_prefill:
@@ -544,7 +616,7 @@ class Engine(EngineAPI):
             else:
                 cache, logits = self._prefill_chunked(params, tokens, r.existing_prefix)
                 base = 0 if r.existing_prefix is None else r.existing_prefix.length
-                out[i] = self._make_prefix(cache, logits, r, base + len(tokens))
+                made.append((i, cache, logits, base + len(tokens)))
         rows: dict[tuple[int, ...], tuple[Any, jax.Array]] = {}
         cacheable = self._prompt_cache_entries > 0 and params is self._params
         with self._lock:
@@ -571,10 +643,9 @@ class Engine(EngineAPI):
                 cache_B, logits_BxV = self._prefill_fresh_jit(
                     params, jnp.asarray(tokens_BxT), jnp.asarray(true_len_B), self.attend_length(width)
                 )
-                for j, p in enumerate(chunk):
-                    rows[p] = (
-                        (cache_B, logits_BxV) if b == 1 else self._row_jit(cache_B, logits_BxV, jnp.int32(j))
-                    )
+                split = ((cache_B, logits_BxV),) if b == 1 else self._rows_jit(cache_B, logits_BxV)
+                for p, row in zip(chunk, split):
+                    rows[p] = row
                 if cacheable:
                     with self._lock:
                         if params is self._params:  # not swapped meanwhile (that clears the cache)
@@ -585,8 +656,11 @@ class Engine(EngineAPI):
         for prompt, members in shared.items():
             cache, logits = rows[prompt]
             self.prefill_counts["forked"] += len(members) - (prompt in todo)
-            for i in members:
-                out[i] = self._make_prefix(cache, logits, requests[i], len(prompt))
+            made += [(i, cache, logits, len(prompt)) for i in members]
+        prefixes = self._make_prefixes([(c, lg, requests[i], n) for i, c, lg, n in made])
+        out: list[Prefix | None] = [None] * len(requests)
+        for (i, *_), prefix in zip(made, prefixes):
+            out[i] = prefix
         return out  # type: ignore[return-value]
 
     def prefill(
@@ -648,7 +722,7 @@ class Engine(EngineAPI):
             tokens=put(state.tokens, token),
             generated=put(state.generated, 1),
             active=put(state.active, active),
-            key=put(state.key, prefix.key[0]),
+            key=put(state.key, _typed_key(prefix.key, state.key)[0]),
             temperature=put(state.temperature, prefix.temperature[0]),
             top_k=put(state.top_k, prefix.top_k[0]),
             top_p=put(state.top_p, prefix.top_p[0]),
