@@ -144,6 +144,11 @@ class Engine(EngineAPI):
       prompt_cache_entries: prefilled prompts kept (cache + last logits) so that later requests with
         the same prompt and weights fork them instead of prefilling again; each costs one slot's cache
         memory; 0 = off. A weight update empties it.
+      record_routing: record each MoE layer's expert ids per token (routing replay).
+      unroll_periods: keep the block stack as one weight state per layer period (``PeriodParams``,
+        a copy made at construction and at each ``update_params``) and run the periods unrolled in
+        prefill and decode. Scanning the stacked weights instead makes XLA copy each period's slice
+        at every decode step; unrolling costs compile time that grows with the period count.
     """
 
     def __init__(
