@@ -247,7 +247,6 @@ class Engine(EngineAPI):
         self._prefill_fresh_jit = launch.jit(self._prefill_fresh_impl, static_argnums=(3,))
         self._prefill_cont_jit = launch.jit(self._prefill_cont_impl, static_argnums=(4,))
         self._row_jit = launch.jit(self._row_impl)
-        self._rows_jit = launch.jit(self._rows_impl)
         self._sample_first_jit = launch.jit(self._sample_first_impl)
         self._first_tokens_jit = launch.jit(self._first_tokens_impl)
         self._generate_jit = launch.jit(self._generate_impl, donate_argnums=(1,))
@@ -447,10 +446,6 @@ class Engine(EngineAPI):
         rows = [jax.lax.dynamic_slice_in_dim(x, row, 1, axis=a) for x, a in zip(leaves, self._axes)]
         return jax.tree.unflatten(treedef, rows), jax.lax.dynamic_slice_in_dim(logits_BxV, row, 1, axis=0)
 
-    def _rows_impl(self, cache_B, logits_BxV):
-        """Every row of a batched prefill (cache and logits), as separate arrays, in one call."""
-        return tuple(self._row_impl(cache_B, logits_BxV, j) for j in range(logits_BxV.shape[0]))
-
     def _first_tokens_impl(self, logits, seeds_N, temperature_N, top_k_N, top_p_N):
         """The first token of N requests in one call (``_sample_first_impl`` row by row: each row's
         key is ``request_key(seed)``, its draw that key at step 0): tokens, logprobs, key data."""
@@ -648,9 +643,10 @@ class Engine(EngineAPI):
                 cache_B, logits_BxV = self._prefill_fresh_jit(
                     params, jnp.asarray(tokens_BxT), jnp.asarray(true_len_B), self.attend_length(width)
                 )
-                split = ((cache_B, logits_BxV),) if b == 1 else self._rows_jit(cache_B, logits_BxV)
-                for p, row in zip(chunk, split):
-                    rows[p] = row
+                for j, p in enumerate(chunk):
+                    rows[p] = (
+                        (cache_B, logits_BxV) if b == 1 else self._row_jit(cache_B, logits_BxV, jnp.int32(j))
+                    )
                 if cacheable:
                     with self._lock:
                         if params is self._params:  # not swapped meanwhile (that clears the cache)
