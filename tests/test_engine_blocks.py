@@ -300,6 +300,7 @@ def test_batched_first_tokens_equal_one_request_at_a_time(engine):
     ]
     reqs = [PrefillRequest(p, sp, 20 + i, (7, 9)) for i, (p, sp) in enumerate(zip(prompts, sps))]
     engine.update_params(engine.params)
+    assert engine.prefill_many(engine.params, []) == []
     batched = engine.prefill_many(engine.params, reqs)
     alone = []
     for r in reqs:

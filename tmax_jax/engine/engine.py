@@ -533,6 +533,8 @@ class Engine(EngineAPI):
         one call (the count padded to a power of two, so few shapes compile) and read back at once:
         the prefixes' small fields are host arrays (their key as raw key data), so making them costs
         no device call per request (the caller reads the first tokens right away anyway)."""
+        if not items:
+            return []
         sps = [req.sampling_params or self.default_sampling for _, _, req, _ in items]
         if any(not -(2**31) <= sp.seed < 2**31 for sp in sps):
             # A seed past int32: its key comes from jax.random.key on the host, one request at a time.
