@@ -447,19 +447,20 @@ class Engine(EngineAPI):
         return jax.tree.unflatten(treedef, rows), jax.lax.dynamic_slice_in_dim(logits_BxV, row, 1, axis=0)
 
     def _first_tokens_impl(self, logits, seeds_N, temperature_N, top_k_N, top_p_N):
-        """The first token of N requests in one call (``_sample_first_impl`` row by row: each row's
-        key is ``request_key(seed)``, its draw that key at step 0): tokens, logprobs, key data."""
+        """The first token of N requests in one call, each row's key ``request_key(seed)``: tokens,
+        logprobs, key data."""
         self.trace_counts[f"first_tokens_{len(logits)}"] += 1
-        logits_NxV = jnp.concatenate(logits, axis=0)
         key_N = jax.vmap(sampling.request_key)(seeds_N)
-        keys_N = sampling.step_keys(key_N, jnp.zeros(seeds_N.shape, jnp.int32))
-        token_N, logprob_N = sampling.sample(logits_NxV, keys_N, temperature_N, top_k_N, top_p_N)
+        token_N, logprob_N = self._sample_first_impl(
+            jnp.concatenate(logits, axis=0), key_N, temperature_N, top_k_N, top_p_N
+        )
         return token_N, logprob_N, jax.random.key_data(key_N)
 
-    def _sample_first_impl(self, logits_1xV, key_1, temperature_1, top_k_1, top_p_1):
+    def _sample_first_impl(self, logits_NxV, key_N, temperature_N, top_k_N, top_p_N):
+        """Each row's first token: its request key at step 0."""
         self.trace_counts["sample_first"] += 1
-        keys_1 = sampling.step_keys(key_1, jnp.zeros((1,), jnp.int32))
-        return sampling.sample(logits_1xV, keys_1, temperature_1, top_k_1, top_p_1)
+        keys_N = sampling.step_keys(key_N, jnp.zeros(key_N.shape[:1], jnp.int32))
+        return sampling.sample(logits_NxV, keys_N, temperature_N, top_k_N, top_p_N)
 
     def bucket(self, n: int) -> int:
         """Padded length used for a prefill of ``n`` tokens."""
@@ -500,61 +501,41 @@ class Engine(EngineAPI):
             raise ConfigError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         return tokens.astype(np.int32)
 
-    def _make_prefix(self, cache, logits_1xV, req: PrefillRequest, length: int) -> Prefix:
-        """One request's prefix, its key from ``request_key(seed)`` on the host (any integer seed);
-        the same host-side fields as ``_make_prefixes``."""
-        sp = req.sampling_params or self.default_sampling
-        key_1 = sampling.request_key(sp.seed)[None]
-        temperature_1 = np.full((1,), sp.temperature, np.float32)
-        top_k_1 = np.full((1,), sp.top_k, np.int32)
-        top_p_1 = np.full((1,), sp.top_p, np.float32)
-        token_1, logprob_1, key_data_1 = jax.device_get(
-            (
-                *self._sample_first_jit(logits_1xV, key_1, temperature_1, top_k_1, top_p_1),
-                jax.random.key_data(key_1),
-            )
-        )
-        max_tokens = self._max_len if req.max_tokens is None else req.max_tokens
-        return Prefix(
-            cache=cache,
-            token=token_1,
-            log_prob=logprob_1,
-            key=key_data_1,
-            temperature=temperature_1,
-            top_k=top_k_1,
-            top_p=top_p_1,
-            max_tokens=np.full((1,), max_tokens, np.int32),
-            stop_ids=self._stop_array(req.stop_token_ids),
-            length=length,
-        )
-
     def _make_prefixes(self, items: list[tuple[Any, jax.Array, PrefillRequest, int]]) -> list[Prefix]:
-        """``_make_prefix`` for each (cache, logits [1, V], request, length), the first tokens drawn in
-        one call (the count padded to a power of two, so few shapes compile) and read back at once:
-        the prefixes' small fields are host arrays (their key as raw key data), so making them costs
+        """A Prefix for each (cache, logits [1, V], request, length): the first tokens are drawn in one
+        call (the count padded to a power of two, so few shapes compile) and read back at once, so
+        the prefixes' small fields are host arrays (the key as raw key data) and making them costs
         no device call per request (the caller reads the first tokens right away anyway)."""
         if not items:
             return []
-        sps = [req.sampling_params or self.default_sampling for _, _, req, _ in items]
-        if any(not -(2**31) <= sp.seed < 2**31 for sp in sps):
-            # A seed past int32: its key comes from jax.random.key on the host, one request at a time.
-            return [self._make_prefix(*item) for item in items]
-        n = _next_pow2(len(items))
-        pad = n - len(items)
-        logits = tuple(lg for _, lg, _, _ in items) + (items[-1][1],) * pad
-        sps = sps + [sps[-1]] * pad
-        reqs = [req for _, _, req, _ in items] + [items[-1][2]] * pad
-        max_tokens = [self._max_len if r.max_tokens is None else r.max_tokens for r in reqs]
+        reqs = [req for _, _, req, _ in items]
+        sps = [r.sampling_params or self.default_sampling for r in reqs]
         temperature = np.array([sp.temperature for sp in sps], np.float32)
         top_k = np.array([sp.top_k for sp in sps], np.int32)
         top_p = np.array([sp.top_p for sp in sps], np.float32)
-        token, log_prob, key_data = jax.device_get(
-            self._first_tokens_jit(
-                logits, np.array([sp.seed for sp in sps], np.int32), temperature, top_k, top_p
+        if all(-(2**31) <= sp.seed < 2**31 for sp in sps):
+            pad = _next_pow2(len(items)) - len(items)
+
+            def padded(a):
+                return np.concatenate([a, np.repeat(a[-1:], pad, axis=0)])
+
+            logits = tuple(lg for _, lg, _, _ in items) + (items[-1][1],) * pad
+            seeds = np.array([sp.seed for sp in sps], np.int32)
+            token, log_prob, key_data = jax.device_get(
+                self._first_tokens_jit(logits, *map(padded, (seeds, temperature, top_k, top_p)))
             )
+        else:  # a seed past int32: its key is jax.random.key of the Python int, one request at a time
+            draws = []
+            for i, (_, logits_1xV, _, _) in enumerate(items):
+                key_1 = sampling.request_key(sps[i].seed)[None]
+                row = slice(i, i + 1)
+                draw = self._sample_first_jit(logits_1xV, key_1, temperature[row], top_k[row], top_p[row])
+                draws.append((*draw, jax.random.key_data(key_1)))
+            token, log_prob, key_data = (np.concatenate(f) for f in zip(*jax.device_get(draws)))
+        max_tokens = np.array(
+            [self._max_len if r.max_tokens is None else r.max_tokens for r in reqs], np.int32
         )
-        max_tok = np.array(max_tokens, np.int32)
-        stop_ids = np.stack([self._stop_array(r.stop_token_ids)[0] for r in reqs])
+        stop_ids = np.concatenate([self._stop_array(r.stop_token_ids) for r in reqs])
         return [
             Prefix(
                 cache=cache,
@@ -564,7 +545,7 @@ class Engine(EngineAPI):
                 temperature=temperature[i : i + 1],
                 top_k=top_k[i : i + 1],
                 top_p=top_p[i : i + 1],
-                max_tokens=max_tok[i : i + 1],
+                max_tokens=max_tokens[i : i + 1],
                 stop_ids=stop_ids[i : i + 1],
                 length=length,
             )

@@ -141,9 +141,9 @@ def masked_attention(
     """Softmax attention (scores and softmax in float32) where query t sees key s iff
     ``k_idx[s] <= q_idx[t]`` and ``k_seg[s] == q_seg[t]``.
 
-    Up to ``block`` queries and keys, or fewer queries whose scores are no bigger: one softmax (for causal self-attention, in query blocks that skip
-    the keys after them). Past it, memory is O(T): on TPU, for causal
-    self-attention (``causal_self``: keys are the queries, ``k_idx = q_idx = arange``), the Pallas
+    Up to ``block`` queries and keys, or fewer queries whose scores are no bigger: one softmax (for
+    causal self-attention, in query blocks that skip the keys after them). Past it, memory is O(T):
+    on TPU, for causal self-attention (``causal_self``: keys are the queries, ``k_idx = q_idx = arange``), the Pallas
     splash kernel; elsewhere the blockwise flash form with its own backward pass (flash_attention.py).
     cuDNN's fused attention (``jax.nn.dot_product_attention``) is not used: the installed JAX gives it
     no segment ids, and packing needs them.
