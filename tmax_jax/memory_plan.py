@@ -5,7 +5,8 @@ Nothing is allocated, so a laptop can tell whether Qwen 3.5 9B at 64K tokens fit
 mesh and rules. Activations come from ``saved_residuals`` of the real train loss traced at the
 per-device micro-batch: *resident* is what the backward pass keeps for the whole model (with the
 configured remat), *transient* is what one rematerialised piece holds while its backward runs (with
-``remat="full"``: a period's layer inputs plus the largest single layer's internals; otherwise one
+``remat="full"``: a period's layer inputs (two per layer: the mixer half's and the MLP half's) plus
+the largest single layer's internals; otherwise one
 layer-pattern period's internals) plus the float32 LM-head chunk buffers.
 
 The trace runs without a mesh, so it sees whole rows; the mesh's splits of activations are applied
@@ -211,13 +212,15 @@ def make_plan(cfg: TrainConfig) -> MemoryPlan:
     pattern = model_cfg.layer_pattern
     if remat == "full":
         # A period's backward holds its layers' inputs and one layer's internals at a time (each
-        # layer is its own checkpoint, block.py); the largest layer kind sets the transient.
+        # layer is two checkpoints, its mixer half and its MLP half, block.py, each saving its input);
+        # the largest layer kind sets the transient. A layer's residuals traced whole bound its
+        # larger half's (the MLP's own are its input alone past MLP_CHUNK tokens).
         transient, largest_t = 0, (0, "")
         for kind in sorted(set(pattern)):
             one_layer = dataclasses.replace(model_cfg, num_hidden_layers=1, layer_types=(kind,))
             n, big = _activation_bytes(one_layer, no_remat, local_rows, dtype, param_dtype, t if heads else 1)
             transient, largest_t = max(transient, n), max(largest_t, big)
-        transient += len(pattern) * (whole_row // t)  # the period's layer inputs, split by tokens
+        transient += 2 * len(pattern) * (whole_row // t)  # the halves' inputs, split by tokens
         largest = max(largest, largest_t)
         if heads:
             transient += 2 * unsplit  # the mixer's and the MLP's all-gathered inputs

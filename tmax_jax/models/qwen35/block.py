@@ -15,6 +15,7 @@ from tmax_jax.models.qwen35.mlp import SwiGLU
 from tmax_jax.models.qwen35.moe import SparseMoeBlock
 from tmax_jax.models.qwen35.norms import norm_init_value, rms_norm
 from tmax_jax.models.qwen35.params import constant, make_param
+from tmax_jax.models.qwen35.remat import recompute_in_backward
 from tmax_jax.sharding import gather_tokens, shard_tokens
 
 
@@ -35,6 +36,10 @@ class DecoderLayer(nnx.Module):
         self.is_moe = cfg.is_moe
         self.mlp = SparseMoeBlock(cfg, **kw) if cfg.is_moe else SwiGLU(cfg, **kw)
 
+    @property
+    def mixer(self):
+        return self.self_attn if self.kind == FULL else self.linear_attn
+
     def __call__(self, x, ctx, layer_cache, replay=None):
         """(output, new layer cache or None, aux): ``aux`` is empty for a dense MLP; for MoE,
         ``{"router_stats": RouterStats, "experts": int32 [B, T, K]}`` (the expert ids used).
@@ -43,75 +48,72 @@ class DecoderLayer(nnx.Module):
         Without a cache the residual stream is split over tokens by the ``sequence`` rule (sharding.py;
         under a mesh only): the norms run on each device's tokens, the mixer and the MLP get every
         token, and their outputs are reduce-scattered back. Decoding with a cache is left as it was."""
-        seq_split = layer_cache is None
-        split = shard_tokens if seq_split else (lambda a: a)
-        gather = gather_tokens if seq_split else (lambda a: a)
-        x = split(x)
-        h = gather(rms_norm(x, self.input_layernorm[...], self.eps, zero_centred=self.zero_centred))
-        if self.kind == FULL:
-            with jax.named_scope("gated_attention"):
-                h, new_cache = self.self_attn(
-                    h,
-                    ctx["cos"],
-                    ctx["sin"],
-                    ctx["segment_ids"],
-                    kv_cache=layer_cache,
-                    lengths_B=ctx["lengths"],
-                )
-        else:
-            with jax.named_scope("gated_deltanet"):
-                h, new_cache = self.linear_attn(h, ctx["segment_ids"], ctx["groups"], state=layer_cache)
-        x = split(x + h)
-        h = gather(rms_norm(x, self.post_attention_layernorm[...], self.eps, zero_centred=self.zero_centred))
-        if self.is_moe:
-            with jax.named_scope("moe"):
-                h, stats, experts = self.mlp(h, ctx["segment_ids"] > 0, replay)
-            return split(x + h), new_cache, {"router_stats": stats, "experts": experts}
-        with jax.named_scope("mlp"):
-            x = split(x + self.mlp(h))
-        return x, new_cache, {}
+        x, new_cache = _mix_half(self, self.input_layernorm[...], self.mixer, x, ctx, layer_cache)
+        x, aux = _mlp_half(
+            self, self.post_attention_layernorm[...], self.mlp, x, ctx, replay, layer_cache is None
+        )
+        return x, new_cache, aux
 
 
-def recompute_in_backward(fn, params, x, consts):
-    """``fn(params, x, consts)``, whose backward pass recomputes it from its arguments alone: a
-    hand-made checkpoint that keeps nothing else.
+def _mix_half(layer: DecoderLayer, norm_w, mixer, x, ctx, layer_cache, stages: bool = False):
+    """``x + mixer(norm(x))`` and the mixer's new cache. ``layer`` gives static settings only; the
+    weights come in as ``norm_w`` and ``mixer`` (so a checkpoint can pass them explicitly).
+    ``stages``: a DeltaNet mixer checkpoints its stages (GatedDeltaNet.__call__)."""
+    seq_split = layer_cache is None
+    split = shard_tokens if seq_split else (lambda a: a)
+    gather = gather_tokens if seq_split else (lambda a: a)
+    x = split(x)
+    h = gather(rms_norm(x, norm_w, layer.eps, zero_centred=layer.zero_centred))
+    if layer.kind == FULL:
+        with jax.named_scope("gated_attention"):
+            h, new_cache = mixer(
+                h,
+                ctx["cos"],
+                ctx["sin"],
+                ctx["segment_ids"],
+                kv_cache=layer_cache,
+                lengths_B=ctx["lengths"],
+            )
+    else:
+        with jax.named_scope("gated_deltanet"):
+            h, new_cache = mixer(h, ctx["segment_ids"], ctx["groups"], state=layer_cache, stages=stages)
+    return split(x + h), new_cache
 
-    jax.checkpoint is not enough on every backend: XLA's CPU pipeline drops optimization barriers,
-    then schedules recomputes early or merges them with the forward pass's identical ops, and a
-    rematerialised period holds every layer's internals at once. Here the recompute reads its input
-    through a data dependency on the output's cotangent, so it runs only when its backward does.
-    """
 
-    @jax.custom_vjp
-    def apply(params, x, consts):
-        return fn(params, x, consts)
-
-    def fwd(params, x, consts):
-        return fn(params, x, consts), (params, x, consts)
-
-    def bwd(res, g):
-        params, x, consts = res
-        # fn may return (x, aux): the anchor is the first output's cotangent (aux may hold integer
-        # outputs, whose float0 cotangents stay out of the barrier).
-        g_x, rest = (g[0], g[1:]) if isinstance(g, tuple) else (g, None)
-        # x * 0 is not folded for floats, so no pass removes this dependency.
-        x = x + (jnp.sum(g_x, dtype=jnp.float32) * 0.0).astype(x.dtype)
-        (params, x, consts), g_x = jax.lax.optimization_barrier(((params, x, consts), g_x))
-        return jax.vjp(fn, params, x, consts)[1](g_x if rest is None else (g_x, *rest))
-
-    apply.defvjp(fwd, bwd)
-    return apply(params, x, consts)
+def _mlp_half(layer: DecoderLayer, norm_w, mlp, x, ctx, replay, seq_split: bool):
+    """``x + mlp(norm(x))`` and the MoE aux dict (empty for a dense MLP)."""
+    split = shard_tokens if seq_split else (lambda a: a)
+    gather = gather_tokens if seq_split else (lambda a: a)
+    h = gather(rms_norm(x, norm_w, layer.eps, zero_centred=layer.zero_centred))
+    if layer.is_moe:
+        with jax.named_scope("moe"):
+            h, stats, experts = mlp(h, ctx["segment_ids"] > 0, replay)
+        return split(x + h), {"router_stats": stats, "experts": experts}
+    with jax.named_scope("mlp"):
+        return split(x + mlp(h)), {}
 
 
 def _checkpointed(layer: DecoderLayer, x, ctx, replay, collect):
-    graphdef, state = nnx.split(layer)
+    """One layer as two hand-made checkpoints, the mixer half and the MLP half: the backward pass
+    recomputes each half only when it reaches it, so the MLP's backward never runs beside the
+    mixer's recomputed internals. Each half saves its input (named ``layer_input`` / ``mlp_input``)."""
+    mixer_def, mixer_state = nnx.split(layer.mixer)
+    mlp_def, mlp_state = nnx.split(layer.mlp)
 
-    def run(state, x, consts):
+    def run_mix(state, x, ctx):
+        norm_w, mixer_state = state
+        x = checkpoint_name(x, "layer_input")
+        return _mix_half(layer, norm_w, nnx.merge(mixer_def, mixer_state), x, ctx, None, stages=True)[0]
+
+    def run_mlp(state, x, consts):
         ctx, replay = consts
-        out, _, aux = nnx.merge(graphdef, state)(checkpoint_name(x, "layer_input"), ctx, None, replay)
+        norm_w, mlp_state = state
+        x = checkpoint_name(x, "mlp_input")
+        out, aux = _mlp_half(layer, norm_w, nnx.merge(mlp_def, mlp_state), x, ctx, replay, True)
         return (out, {k: aux[k] for k in collect}) if collect else out
 
-    out = recompute_in_backward(run, state, x, (ctx, replay))
+    x = recompute_in_backward(run_mix, (layer.input_layernorm[...], mixer_state), x, ctx)
+    out = recompute_in_backward(run_mlp, (layer.post_attention_layernorm[...], mlp_state), x, (ctx, replay))
     return out if collect else (out, {})
 
 

@@ -59,7 +59,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tmax_jax.models.qwen35.numerics import f32_matmul_precision
+from tmax_jax.models.qwen35.numerics import f32_matmul_precision, zeros_after
 
 f32 = jnp.float32
 
@@ -339,7 +339,7 @@ def _slice_chunk(tree, i: int):
 
 
 def _forward(q, k, v, g, beta, s0, groups, C: int, per_block: int, save_states: bool, out_dtype=f32):
-    B, T, H, _ = k.shape
+    B, T, H, K = k.shape
     V = v.shape[-1]
     dtypes = tuple(x.dtype for x in (q, k, v, g, beta))
     seqs = tuple(_as_bits(_pad_time(x, C)) for x in (q, k, v, g, beta))  # [B, N * C, H, ...]
@@ -348,7 +348,7 @@ def _forward(q, k, v, g, beta, s0, groups, C: int, per_block: int, save_states: 
     m = _block_count(N, per_block)
 
     def block(carry, n0):
-        s, out = carry
+        s, out, saved = carry
         x, masks = _block_inputs(seqs, dtypes, grp, prev_last, n0, m, C)
         prep = _chunk_prepare(*x, masks)
         states, v_new, q_s = [], [], []
@@ -357,15 +357,18 @@ def _forward(q, k, v, g, beta, s0, groups, C: int, per_block: int, save_states: 
             s, v_new_i, q_s_i = _chunk_forward_states(_slice_chunk(prep, i), s)
             v_new.append(v_new_i)
             q_s.append(q_s_i)
-        states = jnp.stack(states, axis=2)  # [B, H, m, K, V]: each chunk's incoming state
+        if save_states:  # each chunk's incoming state, [N // m, B, H, m, K, V]
+            saved = jax.lax.dynamic_update_index_in_dim(saved, jnp.stack(states, axis=2), n0 // m, 0)
         o = _chunk_outputs(prep, jnp.stack(q_s, axis=2), jnp.stack(v_new, axis=2))
         out = _store(out, o, out_dtype, n0, C)
-        return (s, out), (states if save_states else None)
+        return (s, out, saved), None
 
-    out0 = _as_bits(jnp.zeros((B, N * C, H, V), out_dtype))
-    (s_final, out), states = jax.lax.scan(block, (s0, out0), jnp.arange(0, N, m))
+    # Loop buffers tied to this call's data (numerics.zeros_after), not shared zero constants.
+    out0 = _as_bits(zeros_after((B, N * C, H, V), out_dtype, g))
+    saved0 = zeros_after((N // m, B, H, m, K, V) if save_states else (), f32, g)
+    (s_final, out, states), _ = jax.lax.scan(block, (s0, out0, saved0), jnp.arange(0, N, m))
     out = _from_bits(out, out_dtype)
-    return (out[:, :T] if N * C != T else out), s_final, states
+    return (out[:, :T] if N * C != T else out), s_final, (states if save_states else None)
 
 
 def _backward(res, cotangents, C: int, per_block: int):
@@ -377,6 +380,7 @@ def _backward(res, cotangents, C: int, per_block: int):
     grp, prev_last = _groups(groups, C)
     N = grp.shape[1]
     d_out_dtype = d_out.dtype
+    d_out_f = d_out
     d_out = _as_bits(_pad_time(d_out, C))  # [B, N * C, H, V]
     m = _block_count(N, per_block)
 
@@ -395,7 +399,7 @@ def _backward(res, cotangents, C: int, per_block: int):
         grads = tuple(_store(buf, d, dt, n0, C) for buf, d, dt in zip(grads, d_x, dtypes))
         return (ds, grads), None
 
-    grads0 = tuple(jnp.zeros(x.shape, x.dtype) for x in seqs)
+    grads0 = tuple(_as_bits(zeros_after(x.shape, dt, d_out_f)) for x, dt in zip(seqs, dtypes))
     (ds0, grads), _ = jax.lax.scan(
         block, (d_final.astype(f32), grads0), (jnp.arange(0, N, m), states), reverse=True
     )

@@ -11,7 +11,9 @@ from tmax_jax.kernels import chunked_gated_delta_rule
 from tmax_jax.models.qwen35.config import Qwen35Config
 from tmax_jax.models.qwen35.delta_rule import recurrent_gated_delta_rule
 from tmax_jax.models.qwen35.norms import gated_rms_norm
+from tmax_jax.models.qwen35.numerics import as_bits, from_bits, zeros_after
 from tmax_jax.models.qwen35.params import constant, log_uniform, make_param, normal
+from tmax_jax.models.qwen35.remat import recompute_in_backward
 
 f32 = jnp.float32
 
@@ -71,15 +73,16 @@ def _conv_bwd(res, d_BxTxC):
     # dw[j] = sum_t d[t] x[t - (K-1) + j] (same group), block by block over time.
     Tb = min(_CONV_GRAD_BLOCK, T)
     pad = (-T) % Tb
-    x_p = jnp.pad(x, ((0, 0), (K - 1, pad), (0, 0)))
+    # Sliced as bits (numerics.as_bits): a 16-bit slice in the loop would be a float32 copy of all T.
+    x_p = as_bits(jnp.pad(x, ((0, 0), (K - 1, pad), (0, 0))))
     g_p = jnp.pad(groups, ((0, 0), (K - 1, pad)), constant_values=-1)
-    d_p = jnp.pad(d_BxTxC, ((0, 0), (0, pad), (0, 0)))
+    d_p = as_bits(jnp.pad(d_BxTxC, ((0, 0), (0, pad), (0, 0))))
     gd_p = jnp.pad(groups, ((0, 0), (0, pad)), constant_values=-2)
 
     def block(acc_KxC, t0):
-        d_b = jax.lax.dynamic_slice_in_dim(d_p, t0, Tb, axis=1)
+        d_b = from_bits(jax.lax.dynamic_slice_in_dim(d_p, t0, Tb, axis=1), d_BxTxC.dtype)
         g_b = jax.lax.dynamic_slice_in_dim(gd_p, t0, Tb, axis=1)
-        x_w = jax.lax.dynamic_slice_in_dim(x_p, t0, Tb + K - 1, axis=1)
+        x_w = from_bits(jax.lax.dynamic_slice_in_dim(x_p, t0, Tb + K - 1, axis=1), x.dtype)
         g_w = jax.lax.dynamic_slice_in_dim(g_p, t0, Tb + K - 1, axis=1)
         taps = []
         for j in range(K):
@@ -89,7 +92,7 @@ def _conv_bwd(res, d_BxTxC):
             taps.append(jnp.sum(prod.astype(f32), axis=(0, 1)))
         return acc_KxC + jnp.stack(taps), None
 
-    dw, _ = jax.lax.scan(block, jnp.zeros(w.shape, f32), jnp.arange(0, T + pad, Tb))
+    dw, _ = jax.lax.scan(block, zeros_after(w.shape, f32, d_BxTxC), jnp.arange(0, T + pad, Tb))
     return dx, dw.astype(w.dtype), None
 
 
@@ -125,6 +128,19 @@ class GatedDeltaNet(nnx.Module):
             rngs, init, (cfg.lin_value_dim, D), ("lin_dim", "embed"), param_dtype, stack
         )
 
+    def _weights(self) -> dict:
+        return {
+            "qkv": self.in_proj_qkv[...],
+            "z": self.in_proj_z[...],
+            "b": self.in_proj_b[...],
+            "a": self.in_proj_a[...],
+            "conv": self.conv_weight[...],
+            "dt_bias": self.dt_bias[...],
+            "A_log": self.A_log[...],
+            "norm": self.norm[...],
+            "out": self.out_proj[...],
+        }
+
     def __call__(
         self,
         x_BxTxD: jax.Array,
@@ -132,43 +148,69 @@ class GatedDeltaNet(nnx.Module):
         groups_BxT: jax.Array | None,
         *,
         state: tuple[jax.Array, jax.Array] | None = None,
+        stages: bool = False,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        """``state`` = (conv ``[B, K, conv_dim]``, recurrent ``[B, Hv, dk, dv]`` float32) or None."""
+        """``state`` = (conv ``[B, K, conv_dim]``, recurrent ``[B, Hv, dk, dv]`` float32) or None.
+
+        ``stages`` (training without a cache; ``remat="full"``): the token-wise parts before the delta
+        rule (projections, conv, norms) and after it (gated norm, output projection) are each a
+        checkpoint recomputed in their own backward pass, so the backward holds one stage's internals
+        at a time beside the delta rule's inputs and outputs."""
+        w = self._weights()
+        B, T, _ = x_BxTxD.shape
+        if state is None:
+            consts = (segment_ids_BxT, groups_BxT if groups_BxT is not None else jnp.zeros((B, T), jnp.int32))
+            pre = ("qkv", "z", "b", "a", "conv", "dt_bias", "A_log")
+            w_pre = {k: w[k] for k in pre}
+            w_post = {"norm": w["norm"], "out": w["out"]}
+            if stages:
+                q, k, v, g, beta, z = recompute_in_backward(self._pre_train, w_pre, x_BxTxD, consts)
+            else:
+                q, k, v, g, beta, z = self._pre_train(w_pre, x_BxTxD, consts)
+            o, _ = chunked_gated_delta_rule(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                None,
+                groups_BxT,
+                chunk_size=self.chunk_size,
+                kernels=self.kernels,
+                out_dtype=self.dtype,
+            )
+            if stages:
+                return recompute_in_backward(self._post, w_post, (o, z), ()), None
+            return self._post(w_post, (o, z), ()), None
+        return self._with_state(w, x_BxTxD, segment_ids_BxT, state)
+
+    def _projections(self, w, x_BxTxD, valid_BxT):
         dt = self.dtype
         B, T, _ = x_BxTxD.shape
-        Hk, Hv, dk, dv, K = self.num_k_heads, self.num_v_heads, self.dk, self.dv, self.kernel
-        valid_BxT = segment_ids_BxT > 0
         x_BxTxD = x_BxTxD * valid_BxT[..., None].astype(dt)
+        qkv_BxTxC = jnp.einsum("btd,dc->btc", x_BxTxD, w["qkv"].astype(dt))
+        z_BxTxHxV = jnp.einsum("btd,dc->btc", x_BxTxD, w["z"].astype(dt)).reshape(
+            B, T, self.num_v_heads, self.dv
+        )
+        b_BxTxH = jnp.einsum("btd,dh->bth", x_BxTxD, w["b"].astype(dt))
+        a_BxTxH = jnp.einsum("btd,dh->bth", x_BxTxD, w["a"].astype(dt))
+        return qkv_BxTxC, z_BxTxHxV, b_BxTxH, a_BxTxH
 
-        qkv_BxTxC = jnp.einsum("btd,dc->btc", x_BxTxD, self.in_proj_qkv[...].astype(dt))
-        z_BxTxHxV = jnp.einsum("btd,dc->btc", x_BxTxD, self.in_proj_z[...].astype(dt)).reshape(B, T, Hv, dv)
-        b_BxTxH = jnp.einsum("btd,dh->bth", x_BxTxD, self.in_proj_b[...].astype(dt))
-        a_BxTxH = jnp.einsum("btd,dh->bth", x_BxTxD, self.in_proj_a[...].astype(dt))
-        w_KxC = self.conv_weight[...].astype(dt)
-
-        new_state = None
-        if state is None:
-            conv_groups = groups_BxT if groups_BxT is not None else jnp.zeros((B, T), jnp.int32)
-            conv_BxTxC = causal_depthwise_conv(qkv_BxTxC, w_KxC, conv_groups)
-        else:
-            conv_state, rec_state = state
-            history_BxKxC = conv_state.astype(dt)
-            full_BxLxC = jnp.concatenate([history_BxKxC, qkv_BxTxC], axis=1)  # L = K + T
-            conv_BxTxC = sum(full_BxLxC[:, 1 + j : 1 + j + T] * w_KxC[None, None, j] for j in range(K))
-            # The new conv state is the last K *valid* inputs of each row (pads never enter it).
-            n_valid_B = valid_BxT.sum(-1)
-            take = jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, K, axis=0))
-            new_conv = take(full_BxLxC, n_valid_B).astype(conv_state.dtype)
+    def _heads(self, w, conv_BxTxC, b_BxTxH, a_BxTxH, valid_BxT):
+        """(q, k [B, T, Hv, dk] compute dtype, v [B, T, Hv, dv], g, beta [B, T, Hv] float32) from the
+        conv's output (before its SiLU) and the b/a projections; pads neither decay nor write."""
+        dt = self.dtype
+        B, T, _ = conv_BxTxC.shape
+        Hk, Hv, dk, dv = self.num_k_heads, self.num_v_heads, self.dk, self.dv
         conv_BxTxC = jax.nn.silu(conv_BxTxC)
-
         kd = Hk * dk
         q_BxTxHkxK = conv_BxTxC[..., :kd].reshape(B, T, Hk, dk)
         k_BxTxHkxK = conv_BxTxC[..., kd : 2 * kd].reshape(B, T, Hk, dk)
         v_BxTxHxV = conv_BxTxC[..., 2 * kd :].reshape(B, T, Hv, dv)
 
         beta_BxTxH = jax.nn.sigmoid(b_BxTxH.astype(f32))
-        g_BxTxH = -jnp.exp(self.A_log[...].astype(f32))[None, None] * jax.nn.softplus(
-            a_BxTxH.astype(f32) + self.dt_bias[...].astype(f32)[None, None]
+        g_BxTxH = -jnp.exp(w["A_log"].astype(f32))[None, None] * jax.nn.softplus(
+            a_BxTxH.astype(f32) + w["dt_bias"].astype(f32)[None, None]
         )
         # The norm's statistics in float32, the result back in the compute dtype: the delta rule
         # casts each chunk to float32 as it loads it, so float32 copies of q and k (repeated to the
@@ -182,30 +224,56 @@ class GatedDeltaNet(nnx.Module):
         g_BxTxH = jnp.where(valid_BxT[..., None], g_BxTxH, 0.0)
         beta_BxTxH = jnp.where(valid_BxT[..., None], beta_BxTxH, 0.0)
         k_BxTxHxK = jnp.where(valid_BxT[..., None, None], k_BxTxHxK, jnp.zeros((), dt))
+        return q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH, beta_BxTxH
 
-        if state is not None and T == 1:
-            o_BxTxHxV, s_final = recurrent_gated_delta_rule(
-                q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH, beta_BxTxH, rec_state
-            )
+    def _pre_train(self, w, x_BxTxD, consts):
+        """Training (no cache): the delta rule's inputs and the output gate ``z``."""
+        segment_ids_BxT, groups_BxT = consts
+        valid_BxT = segment_ids_BxT > 0
+        qkv, z, b, a = self._projections(w, x_BxTxD, valid_BxT)
+        conv = causal_depthwise_conv(qkv, w["conv"].astype(self.dtype), groups_BxT)
+        return (*self._heads(w, conv, b, a, valid_BxT), z)
+
+    def _post(self, w, oz, consts):
+        """``out_proj(gated_norm(o, z))``."""
+        o_BxTxHxV, z_BxTxHxV = oz
+        dt = self.dtype
+        B, T = o_BxTxHxV.shape[:2]
+        normed_BxTxHxV = gated_rms_norm(o_BxTxHxV.astype(dt), z_BxTxHxV, w["norm"], self.eps)
+        return jnp.einsum("btc,cd->btd", normed_BxTxHxV.reshape(B, T, -1), w["out"].astype(dt))
+
+    def _with_state(self, w, x_BxTxD, segment_ids_BxT, state):
+        """Prefill into a cache, or decode: the conv continues from the cached inputs, the delta rule
+        from the cached state."""
+        dt = self.dtype
+        B, T, _ = x_BxTxD.shape
+        K = self.kernel
+        valid_BxT = segment_ids_BxT > 0
+        qkv_BxTxC, z_BxTxHxV, b_BxTxH, a_BxTxH = self._projections(w, x_BxTxD, valid_BxT)
+        w_KxC = w["conv"].astype(dt)
+        conv_state, rec_state = state
+        history_BxKxC = conv_state.astype(dt)
+        full_BxLxC = jnp.concatenate([history_BxKxC, qkv_BxTxC], axis=1)  # L = K + T
+        conv_BxTxC = sum(full_BxLxC[:, 1 + j : 1 + j + T] * w_KxC[None, None, j] for j in range(K))
+        # The new conv state is the last K *valid* inputs of each row (pads never enter it).
+        n_valid_B = valid_BxT.sum(-1)
+        take = jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, K, axis=0))
+        new_conv = take(full_BxLxC, n_valid_B).astype(conv_state.dtype)
+        q, k, v, g, beta = self._heads(w, conv_BxTxC, b_BxTxH, a_BxTxH, valid_BxT)
+        if T == 1:
+            o_BxTxHxV, s_final = recurrent_gated_delta_rule(q, k, v, g, beta, rec_state)
         else:
             o_BxTxHxV, s_final = chunked_gated_delta_rule(
-                q_BxTxHxK,
-                k_BxTxHxK,
-                v_BxTxHxV,
-                g_BxTxH,
-                beta_BxTxH,
-                None if state is None else rec_state,
-                groups_BxT if state is None else None,
+                q,
+                k,
+                v,
+                g,
+                beta,
+                rec_state,
+                None,
                 chunk_size=self.chunk_size,
                 kernels=self.kernels,
                 out_dtype=dt,
             )
-        if state is not None:
-            new_state = (new_conv, s_final.astype(f32))
-
-        o_BxTxHxV = o_BxTxHxV.astype(dt)
-        normed_BxTxHxV = gated_rms_norm(o_BxTxHxV, z_BxTxHxV, self.norm[...], self.eps)
-        out_BxTxD = jnp.einsum(
-            "btc,cd->btd", normed_BxTxHxV.reshape(B, T, Hv * dv), self.out_proj[...].astype(dt)
-        )
-        return out_BxTxD, new_state
+        out = self._post(w, (o_BxTxHxV, z_BxTxHxV), ())
+        return out, (new_conv, s_final.astype(f32))

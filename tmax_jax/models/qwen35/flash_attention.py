@@ -15,6 +15,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from tmax_jax.models.qwen35.numerics import scan_into, zeros_after
+
 f32 = jnp.float32
 # Finite: a row that sees no key gets a uniform (not NaN) distribution, as in the unblocked form.
 MASKED = -0.7 * float(jnp.finfo(f32).max)
@@ -96,12 +98,12 @@ def _forward(q, k, v, q_idx, q_seg, k_idx, k_seg, bq, bk):
             jnp.zeros((B, G, R, bq), f32),
             jnp.zeros((B, G, R, bq, E), f32),
         )
-        (m, l, acc), _ = jax.lax.scan(k_block, init, (ks, vs, ki, ksg))
+        (m, l, acc), _ = scan_into(k_block, init, (ks, vs, ki, ksg), after=q_b)
         l = jnp.maximum(l, jnp.finfo(f32).tiny)  # a row no visited block covers: output 0
         out = (acc / l[..., None]).transpose(0, 3, 1, 2, 4).astype(dt)  # [B, bq, G, R, E]
         return out, m + jnp.log(l)
 
-    out, lse = jax.lax.map(q_block, (qs, qi, qsg))
+    _, (out, lse) = scan_into(lambda c, a: (c, q_block(a)), (), (qs, qi, qsg), after=q)
     return _merge(out, 1)[:, :T], _merge(lse, 3)[..., :T]  # [B, T, G, R, E], [B, G, R, T]
 
 
@@ -140,11 +142,11 @@ def _backward(q, k, v, q_idx, q_seg, k_idx, k_seg, out, lse, dout, bq, bk):
 
             return jax.lax.cond(mask.any(), grads, skip, dq)
 
-        dq, (dk, dv) = jax.lax.scan(k_block, jnp.zeros((B, bq, G, R, E), f32), (ks, vs, ki, ksg))
+        dq, (dk, dv) = scan_into(k_block, jnp.zeros((B, bq, G, R, E), f32), (ks, vs, ki, ksg), after=do_b)
         return (dkv[0] + dk, dkv[1] + dv), dq
 
-    zeros = jnp.zeros(ks.shape, f32)
-    (dk, dv), dq = jax.lax.scan(q_block, (zeros, zeros), (qs, qi, qsg, douts, lses, deltas))
+    zeros = zeros_after(ks.shape, f32, dout)  # not a constant every layer's loop copies at once
+    (dk, dv), dq = scan_into(q_block, (zeros, zeros), (qs, qi, qsg, douts, lses, deltas), after=dout)
     dq = _merge(dq, 1)[:, :T].astype(q.dtype)
     return dq, _merge(dk, 1)[:, :S].astype(k.dtype), _merge(dv, 1)[:, :S].astype(v.dtype)
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tmax_jax.models.qwen35.config import Qwen35Config
+from tmax_jax.models.qwen35.numerics import scan_into, zeros_after
 from tmax_jax.models.qwen35.params import make_param, normal
 
 f32 = jnp.float32
@@ -40,7 +41,7 @@ def chunked_swiglu(x_BxTxD, w_gate, w_up, w_down, chunk: int, dtype):
     recomputes each chunk and sums the weights' gradients in float32 (autodiff through a chunk loop
     would carry and copy every weight and its cotangent through the loop)."""
     ws = tuple(w.astype(dtype) for w in (w_gate, w_up, w_down))
-    y = jax.lax.map(lambda xc: _swiglu(xc, *ws), _chunks(x_BxTxD, chunk))
+    _, y = scan_into(lambda c, xc: (c, _swiglu(xc, *ws)), (), _chunks(x_BxTxD, chunk), after=x_BxTxD)
     return _unchunk(y, x_BxTxD.shape[1])
 
 
@@ -73,9 +74,11 @@ def _chunked_bwd(chunk, dtype, res, dy_BxTxD):
         )
         return acc, dx.astype(x.dtype)
 
-    zeros = tuple(jnp.zeros(w.shape, f32) for w in (w_gate, w_up, w_down))
+    # Accumulators tied to this call's cotangent: as constants, XLA would copy every layer's at the
+    # start of the backward pass (numerics.zeros_after).
+    zeros = tuple(zeros_after(w.shape, f32, dy_BxTxD) for w in (w_gate, w_up, w_down))
     dy = dy_BxTxD.astype(dtype)
-    (dwg, dwu, dwd), dx = jax.lax.scan(step, zeros, (_chunks(x, chunk), _chunks(dy, chunk)))
+    (dwg, dwu, dwd), dx = scan_into(step, zeros, (_chunks(x, chunk), _chunks(dy, chunk)), after=dy)
     return (
         _unchunk(dx, x.shape[1]),
         dwg.astype(w_gate.dtype),

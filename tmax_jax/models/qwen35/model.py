@@ -11,12 +11,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tmax_jax.errors import ConfigError
-from tmax_jax.models.qwen35.block import PatternBlock, recompute_in_backward
+from tmax_jax.models.qwen35.block import PatternBlock
 from tmax_jax.models.qwen35.cache import Qwen35Cache
 from tmax_jax.models.qwen35.config import Qwen35Config
 from tmax_jax.models.qwen35.moe import RouterStats  # noqa: F401  (router_aux_loss's argument)
 from tmax_jax.models.qwen35.norms import norm_init_value, rms_norm
 from tmax_jax.models.qwen35.params import constant, make_param, normal
+from tmax_jax.models.qwen35.remat import recompute_in_backward
 from tmax_jax.models.qwen35.rope import rope_cos_sin
 from tmax_jax.rl.logprobs import head_logits
 from tmax_jax.sharding import shard_tokens

@@ -12,3 +12,64 @@ def f32_matmul_precision() -> jax.lax.Precision | None:
     was seen to deadlock XLA's CPU thread pool next to LAPACK triangular solves on 2-core machines.
     """
     return None if jax.default_backend() == "cpu" else jax.lax.Precision.HIGHEST
+
+
+def zeros_after(shape, dtype, after: jax.Array) -> jax.Array:
+    """Zeros of ``shape``/``dtype`` that XLA can compute only once ``after`` exists.
+
+    A loop's zero-initialised buffer (an accumulator, a stacked output) is otherwise a constant:
+    XLA merges the identical constants of every layer into one and gives each loop its own copy, and
+    its scheduler is free to make those copies at the start of the backward pass, so every layer's
+    buffers are live at once. A zero tied to the layer's data (``finite(x) * 0``, which no pass folds
+    for floats) is made just before its own loop. ``after``: any float array of the same computation.
+    """
+    import jax.numpy as jnp
+
+    x = jnp.ravel(after)[0].astype(jnp.float32)
+    z = jnp.where(jnp.isfinite(x), x, 0.0) * 0.0
+    return jnp.broadcast_to(z.astype(dtype), shape)
+
+
+def as_bits(x: jax.Array) -> jax.Array:
+    """16-bit floats as their uint16 bits (a free bitcast), for slicing and updating inside loops.
+
+    XLA's CPU float normalisation runs bfloat16 dynamic slices and updates in float32: it hoists a
+    float32 copy of the whole input out of the loop (kept for the backward pass) and converts a whole
+    bfloat16 buffer at every step. Integer slices and updates are native everywhere.
+    """
+    import jax.numpy as jnp
+
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
+
+
+def from_bits(x: jax.Array, dtype) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+
+
+def scan_into(f, init, xs, *, after: jax.Array, reverse: bool = False):
+    """``jax.lax.scan(f, init, xs, reverse=reverse)`` whose stacked inputs are read, and stacked outputs
+    written, through :func:`as_bits` slices, into output buffers made by :func:`zeros_after`.
+
+    ``lax.scan``'s own output buffers start as shared zero constants (see ``zeros_after``), and its
+    16-bit inputs are sliced in float32 on CPU. ``xs``: a pytree of arrays with a common leading axis.
+    """
+    n = jax.tree.leaves(xs)[0].shape[0]
+    x_dtypes = jax.tree.map(lambda x: x.dtype, xs)
+    xs_bits = jax.tree.map(as_bits, xs)
+    y_struct = jax.eval_shape(lambda c, x: f(c, x)[1], init, jax.tree.map(lambda x: x[0], xs))
+    ys0 = jax.tree.map(lambda s: as_bits(zeros_after((n, *s.shape), s.dtype, after)), y_struct)
+
+    def body(i, state):
+        c, ys = state
+        j = n - 1 - i if reverse else i
+        x = jax.tree.map(
+            lambda xb, dt: from_bits(jax.lax.dynamic_index_in_dim(xb, j, 0, keepdims=False), dt),
+            xs_bits,
+            x_dtypes,
+        )
+        c, y = f(c, x)
+        ys = jax.tree.map(lambda yb, yy: jax.lax.dynamic_update_index_in_dim(yb, as_bits(yy), j, 0), ys, y)
+        return c, ys
+
+    c, ys = jax.lax.fori_loop(0, n, body, (init, ys0))
+    return c, jax.tree.map(lambda yb, s: from_bits(yb, s.dtype), ys, y_struct)
