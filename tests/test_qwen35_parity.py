@@ -164,10 +164,14 @@ def test_flash_attention_path_matches_transformers_with_packing(case):
 
 
 def test_layer_checkpoints_and_chunked_mlp_change_neither_logits_nor_gradients(case):
-    """remat="full" (one checkpoint per period, a hand-made one per layer) with the MLP in chunks of
-    16 tokens: logits still match transformers and every gradient matches the plain model's."""
+    """remat="full" (one checkpoint per period, two hand-made ones per layer, the mixers' stages
+    checkpointed) with the MLP and the mixers' token-wise stages in chunks of 16 tokens (77 tokens:
+    a padded last chunk): logits still match transformers and every gradient matches the plain
+    model's."""
     import jax
 
+    from tmax_jax.models.qwen35.attention import GatedAttention
+    from tmax_jax.models.qwen35.deltanet import GatedDeltaNet
     from tmax_jax.models.qwen35.mlp import SwiGLU
 
     name, path, _, torch_model = case
@@ -184,6 +188,8 @@ def test_layer_checkpoints_and_chunked_mlp_change_neither_logits_nor_gradients(c
         for _, m in nnx.iter_graph(model):
             if isinstance(m, SwiGLU):
                 m.chunk = chunk
+            if isinstance(m, (GatedAttention, GatedDeltaNet)):
+                m.token_chunk = chunk
         (_, logits), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(model)
         np.testing.assert_allclose(np.asarray(logits), ref, atol=2e-5, rtol=2e-4, err_msg=f"{name} {remat}")
         out[remat] = grads

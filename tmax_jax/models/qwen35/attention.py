@@ -13,6 +13,7 @@ from tmax_jax.models.qwen35.config import Qwen35Config
 from tmax_jax.models.qwen35.flash_attention import MASKED, flash_attention
 from tmax_jax.models.qwen35.norms import norm_init_value, rms_norm
 from tmax_jax.models.qwen35.params import constant, make_param, normal
+from tmax_jax.models.qwen35.remat import TOKEN_CHUNK, tokenwise_chunked
 from tmax_jax.models.qwen35.rope import apply_partial_rope
 
 QUERY_BLOCK = 1024  # up to this many queries and keys, one unblocked softmax (fastest on CPU)
@@ -177,6 +178,7 @@ class GatedAttention(nnx.Module):
         self.head_dim = hd
         self.eps = cfg.rms_norm_eps
         self.query_block = QUERY_BLOCK
+        self.token_chunk = TOKEN_CHUNK
         self.gated = cfg.attn_output_gate
         self.zero_centred = cfg.zero_centred_norms
         # Query and output gate come out of one projection, interleaved per head: [q_h | gate_h]
@@ -211,17 +213,30 @@ class GatedAttention(nnx.Module):
         *,
         kv_cache: tuple[jax.Array, jax.Array] | None = None,
         lengths_B: jax.Array | None = None,
+        stages: bool = False,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """``stages`` (training without a cache; ``remat="full"``): the projections, norms and rope
+        before attention and the gate and output projection after it run in chunks of
+        ``token_chunk`` tokens, each with its own backward (remat.tokenwise_chunked)."""
         dt, hd = self.dtype, self.head_dim
         B, T, _ = x_BxTxD.shape
-        qg_BxTxHx2E = jnp.einsum("btd,dhe->bthe", x_BxTxD, self.q_proj[...].astype(dt))
-        q_BxTxHxE, gate_BxTxHxE = qg_BxTxHx2E[..., :hd], (qg_BxTxHx2E[..., hd:] if self.gated else None)
-        k_BxTxGxE = jnp.einsum("btd,dhe->bthe", x_BxTxD, self.k_proj[...].astype(dt))
-        v_BxTxGxE = jnp.einsum("btd,dhe->bthe", x_BxTxD, self.v_proj[...].astype(dt))
-        q_BxTxHxE = rms_norm(q_BxTxHxE, self.q_norm[...], self.eps, zero_centred=self.zero_centred)
-        k_BxTxGxE = rms_norm(k_BxTxGxE, self.k_norm[...], self.eps, zero_centred=self.zero_centred)
-        q_BxTxHxE = apply_partial_rope(q_BxTxHxE, cos_BxTxR, sin_BxTxR)
-        k_BxTxGxE = apply_partial_rope(k_BxTxGxE, cos_BxTxR, sin_BxTxR)
+        stages = stages and kv_cache is None
+        w_pre = {
+            "q": self.q_proj[...],
+            "k": self.k_proj[...],
+            "v": self.v_proj[...],
+            "q_norm": self.q_norm[...],
+            "k_norm": self.k_norm[...],
+        }
+        if stages:  # token-wise (rope's angles come per token): in chunks
+            proj = lambda w, xs: self._project(w, xs[0], xs[1:])  # noqa: E731
+            q_BxTxHxE, gate_BxTxHxE, k_BxTxGxE, v_BxTxGxE = tokenwise_chunked(
+                proj, w_pre, (x_BxTxD, cos_BxTxR, sin_BxTxR), self.token_chunk
+            )
+        else:
+            q_BxTxHxE, gate_BxTxHxE, k_BxTxGxE, v_BxTxGxE = self._project(
+                w_pre, x_BxTxD, (cos_BxTxR, sin_BxTxR)
+            )
 
         valid_BxT = segment_ids_BxT > 0
         new_cache = None
@@ -270,7 +285,29 @@ class GatedAttention(nnx.Module):
             head_major=kv_cache is not None,
         )
         attn_BxTxHxE = attn_BxTxGxRxE.reshape(B, T, H, hd)
+        post = (attn_BxTxHxE, gate_BxTxHxE)
+        if stages:
+            out = lambda w, p: self._output(w, p, ())  # noqa: E731
+            return tokenwise_chunked(out, self.o_proj[...], post, self.token_chunk), new_cache
+        return self._output(self.o_proj[...], post, ()), new_cache
+
+    def _project(self, w, x_BxTxD, rope):
+        """(q [B, T, H, E] normed and rotated, output gate or None, k [B, T, G, E] likewise, v)."""
+        dt, hd = self.dtype, self.head_dim
+        cos_BxTxR, sin_BxTxR = rope
+        qg_BxTxHx2E = jnp.einsum("btd,dhe->bthe", x_BxTxD, w["q"].astype(dt))
+        q_BxTxHxE, gate_BxTxHxE = qg_BxTxHx2E[..., :hd], (qg_BxTxHx2E[..., hd:] if self.gated else None)
+        k_BxTxGxE = jnp.einsum("btd,dhe->bthe", x_BxTxD, w["k"].astype(dt))
+        v_BxTxGxE = jnp.einsum("btd,dhe->bthe", x_BxTxD, w["v"].astype(dt))
+        q_BxTxHxE = rms_norm(q_BxTxHxE, w["q_norm"], self.eps, zero_centred=self.zero_centred)
+        k_BxTxGxE = rms_norm(k_BxTxGxE, w["k_norm"], self.eps, zero_centred=self.zero_centred)
+        q_BxTxHxE = apply_partial_rope(q_BxTxHxE, cos_BxTxR, sin_BxTxR)
+        k_BxTxGxE = apply_partial_rope(k_BxTxGxE, cos_BxTxR, sin_BxTxR)
+        return q_BxTxHxE, gate_BxTxHxE, k_BxTxGxE, v_BxTxGxE
+
+    def _output(self, o_proj, attn_gate, consts):
+        """``o_proj(attn * sigmoid(gate))`` (no gate: ``o_proj(attn)``)."""
+        attn_BxTxHxE, gate_BxTxHxE = attn_gate
         if self.gated:
             attn_BxTxHxE = attn_BxTxHxE * jax.nn.sigmoid(gate_BxTxHxE)
-        out_BxTxD = jnp.einsum("bthe,hed->btd", attn_BxTxHxE, self.o_proj[...].astype(dt))
-        return out_BxTxD, new_cache
+        return jnp.einsum("bthe,hed->btd", attn_BxTxHxE, o_proj.astype(self.dtype))

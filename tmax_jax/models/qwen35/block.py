@@ -58,7 +58,7 @@ class DecoderLayer(nnx.Module):
 def _mix_half(layer: DecoderLayer, norm_w, mixer, x, ctx, layer_cache, stages: bool = False):
     """``x + mixer(norm(x))`` and the mixer's new cache. ``layer`` gives static settings only; the
     weights come in as ``norm_w`` and ``mixer`` (so a checkpoint can pass them explicitly).
-    ``stages``: a DeltaNet mixer checkpoints its stages (GatedDeltaNet.__call__)."""
+    ``stages``: the mixer checkpoints its stages (GatedDeltaNet / GatedAttention ``__call__``)."""
     seq_split = layer_cache is None
     split = shard_tokens if seq_split else (lambda a: a)
     gather = gather_tokens if seq_split else (lambda a: a)
@@ -73,6 +73,7 @@ def _mix_half(layer: DecoderLayer, norm_w, mixer, x, ctx, layer_cache, stages: b
                 ctx["segment_ids"],
                 kv_cache=layer_cache,
                 lengths_B=ctx["lengths"],
+                stages=stages,
             )
     else:
         with jax.named_scope("gated_deltanet"):

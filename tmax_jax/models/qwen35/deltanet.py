@@ -13,7 +13,7 @@ from tmax_jax.models.qwen35.delta_rule import recurrent_gated_delta_rule
 from tmax_jax.models.qwen35.norms import gated_rms_norm
 from tmax_jax.models.qwen35.numerics import as_bits, from_bits, zeros_after
 from tmax_jax.models.qwen35.params import constant, log_uniform, make_param, normal
-from tmax_jax.models.qwen35.remat import recompute_in_backward
+from tmax_jax.models.qwen35.remat import TOKEN_CHUNK, recompute_in_backward, tokenwise_chunked
 
 f32 = jnp.float32
 
@@ -111,6 +111,7 @@ class GatedDeltaNet(nnx.Module):
         self.kernel = cfg.linear_conv_kernel_dim
         self.eps = cfg.rms_norm_eps
         self.chunk_size = cfg.chunk_size
+        self.token_chunk = TOKEN_CHUNK
         self.kernels = cfg.kernels
         self.in_proj_qkv = make_param(rngs, init, (D, cfg.conv_dim), ("embed", "lin_dim"), param_dtype, stack)
         self.in_proj_z = make_param(
@@ -153,9 +154,10 @@ class GatedDeltaNet(nnx.Module):
         """``state`` = (conv ``[B, K, conv_dim]``, recurrent ``[B, Hv, dk, dv]`` float32) or None.
 
         ``stages`` (training without a cache; ``remat="full"``): the token-wise parts before the delta
-        rule (projections, conv, norms) and after it (gated norm, output projection) are each a
-        checkpoint recomputed in their own backward pass, so the backward holds one stage's internals
-        at a time beside the delta rule's inputs and outputs."""
+        rule (projections, conv, norms) is a checkpoint recomputed in its own backward pass, and the
+        part after it (gated norm, output projection) runs in chunks of ``token_chunk`` tokens with
+        its own backward (remat.tokenwise_chunked), so the backward holds one stage's internals at a
+        time beside the delta rule's inputs and outputs."""
         w = self._weights()
         B, T, _ = x_BxTxD.shape
         if state is None:
@@ -164,7 +166,13 @@ class GatedDeltaNet(nnx.Module):
             w_pre = {k: w[k] for k in pre}
             w_post = {"norm": w["norm"], "out": w["out"]}
             if stages:
-                q, k, v, g, beta, z = recompute_in_backward(self._pre_train, w_pre, x_BxTxD, consts)
+                # Projections token-wise in chunks; conv and head norms one checkpoint.
+                x_BxTxD = x_BxTxD * (segment_ids_BxT > 0)[..., None].astype(self.dtype)
+                w_proj = {k: w[k] for k in ("qkv", "z", "b", "a")}
+                proj = lambda w, x: self._projections(w, x, None)  # noqa: E731
+                qkv, z, b, a = tokenwise_chunked(proj, w_proj, x_BxTxD, self.token_chunk)
+                w_heads = {k: w[k] for k in ("conv", "dt_bias", "A_log")}
+                q, k, v, g, beta = recompute_in_backward(self._conv_heads, w_heads, (qkv, b, a), consts)
             else:
                 q, k, v, g, beta, z = self._pre_train(w_pre, x_BxTxD, consts)
             o, _ = chunked_gated_delta_rule(
@@ -180,14 +188,16 @@ class GatedDeltaNet(nnx.Module):
                 out_dtype=self.dtype,
             )
             if stages:
-                return recompute_in_backward(self._post, w_post, (o, z), ()), None
+                post = lambda w, oz: self._post(w, oz, ())  # noqa: E731
+                return tokenwise_chunked(post, w_post, (o, z), self.token_chunk), None
             return self._post(w_post, (o, z), ()), None
         return self._with_state(w, x_BxTxD, segment_ids_BxT, state)
 
     def _projections(self, w, x_BxTxD, valid_BxT):
         dt = self.dtype
         B, T, _ = x_BxTxD.shape
-        x_BxTxD = x_BxTxD * valid_BxT[..., None].astype(dt)
+        if valid_BxT is not None:  # None: the caller has zeroed the pads
+            x_BxTxD = x_BxTxD * valid_BxT[..., None].astype(dt)
         qkv_BxTxC = jnp.einsum("btd,dc->btc", x_BxTxD, w["qkv"].astype(dt))
         z_BxTxHxV = jnp.einsum("btd,dc->btc", x_BxTxD, w["z"].astype(dt)).reshape(
             B, T, self.num_v_heads, self.dv
@@ -233,6 +243,13 @@ class GatedDeltaNet(nnx.Module):
         qkv, z, b, a = self._projections(w, x_BxTxD, valid_BxT)
         conv = causal_depthwise_conv(qkv, w["conv"].astype(self.dtype), groups_BxT)
         return (*self._heads(w, conv, b, a, valid_BxT), z)
+
+    def _conv_heads(self, w, qkv_b_a, consts):
+        """The delta rule's inputs from the projections (training, no cache)."""
+        qkv, b, a = qkv_b_a
+        segment_ids_BxT, groups_BxT = consts
+        conv = causal_depthwise_conv(qkv, w["conv"].astype(self.dtype), groups_BxT)
+        return self._heads(w, conv, b, a, segment_ids_BxT > 0)
 
     def _post(self, w, oz, consts):
         """``out_proj(gated_norm(o, z))``."""

@@ -143,7 +143,9 @@ def _backward(q, k, v, q_idx, q_seg, k_idx, k_seg, out, lse, dout, bq, bk):
             return jax.lax.cond(mask.any(), grads, skip, dq)
 
         dq, (dk, dv) = scan_into(k_block, jnp.zeros((B, bq, G, R, E), f32), (ks, vs, ki, ksg), after=do_b)
-        return (dkv[0] + dk, dkv[1] + dv), dq
+        # A query block's dq is complete here (summed over every key block in float32): stored in q's
+        # dtype, the stacked dq is not a float32 copy of all T.
+        return (dkv[0] + dk, dkv[1] + dv), dq.astype(q.dtype)
 
     zeros = zeros_after(ks.shape, f32, dout)  # not a constant every layer's loop copies at once
     (dk, dv), dq = scan_into(q_block, (zeros, zeros), (qs, qi, qsg, douts, lses, deltas), after=dout)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+# Token-wise stages of a checkpointed layer (tokenwise_chunked) run in chunks of this many tokens.
+TOKEN_CHUNK = 1024
+
 
 def _floating(a) -> bool:
     return hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)
@@ -55,3 +58,66 @@ def recompute_in_backward(fn, params, x, consts):
 
     apply.defvjp(fwd, bwd)
     return apply(params, x, consts)
+
+
+def _zero_of(tree) -> jax.Array:
+    """A float32 zero computed from one element of each float leaf of ``tree`` (see bwd above)."""
+    zero = jnp.zeros((), jnp.float32)
+    for a in jax.tree.leaves(tree):
+        if _floating(a):
+            v = jnp.ravel(a)[0].astype(jnp.float32)
+            zero = zero + jnp.where(jnp.isfinite(v), v, 0.0) * 0.0
+    return zero
+
+
+def _anchor(tree, zero):
+    return jax.tree.map(lambda a: a + zero.astype(a.dtype) if _floating(a) else a, tree)
+
+
+def tokenwise_chunked(fn, params, xs, chunk: int):
+    """``fn(params, xs)`` for a ``fn`` that works on each token alone (axis 1 of every leaf of ``xs``
+    and of its output), run over chunks of ``chunk`` tokens with its own backward pass: the backward
+    recomputes one chunk at a time and sums the parameters' gradients in float32, so neither pass
+    holds more than one chunk's internals. Up to ``chunk`` tokens it is ``fn`` itself.
+    """
+    from tmax_jax.models.qwen35.numerics import scan_into, zeros_after
+
+    T = jax.tree.leaves(xs)[0].shape[1]
+    if T <= chunk:
+        return fn(params, xs)
+    n = -(-T // chunk)
+
+    def split(a):  # [B, T, ...] -> [n, B, chunk, ...]
+        a = jnp.pad(a, [(0, 0), (0, n * chunk - T)] + [(0, 0)] * (a.ndim - 2))
+        return jnp.moveaxis(a.reshape(a.shape[0], n, chunk, *a.shape[2:]), 1, 0)
+
+    def merge(a):  # [n, B, chunk, ...] -> [B, T, ...]
+        a = jnp.moveaxis(a, 0, 1)
+        return a.reshape(a.shape[0], n * chunk, *a.shape[3:])[:, :T]
+
+    @jax.custom_vjp
+    def run(params, xs):
+        after = jax.tree.leaves(xs)[0]
+        _, ys = scan_into(lambda c, x: (c, fn(params, x)), (), jax.tree.map(split, xs), after=after)
+        return jax.tree.map(merge, ys)
+
+    def fwd(params, xs):
+        return run(params, xs), (params, xs)
+
+    def bwd(res, dys):
+        params, xs = res
+        params = _anchor(params, _zero_of(dys))  # casts of the weights made when this runs
+        acc0 = jax.tree.map(lambda p: zeros_after(p.shape, jnp.float32, jax.tree.leaves(dys)[0]), params)
+
+        def step(acc, x_dy):
+            x, dy = x_dy
+            dp, dx = jax.vjp(fn, params, x)[1](dy)
+            return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), acc, dp), dx
+
+        acc, dxs = scan_into(
+            step, acc0, (jax.tree.map(split, xs), jax.tree.map(split, dys)), after=jax.tree.leaves(dys)[0]
+        )
+        return jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params), jax.tree.map(merge, dxs)
+
+    run.defvjp(fwd, bwd)
+    return run(params, xs)
