@@ -13,9 +13,10 @@ out=tpu/PLANS.md
   echo
   echo "Activations here are what JAX saves for the backward pass (\`saved_residuals\`), not what XLA allocates."
   echo "Cross-check, XLA's compiled memory analysis on CPU of one 9B layer period, remat=full, one row"
-  echo "(\`python3 benchmarks/bench_layer_memory.py --seqs 16384,32768\`): 17.7 GiB at T=16K, 27.6 GiB at 32K"
-  echo "(0.62 MiB per extra token), so ~47 GiB at 64K against the plan's 36 GiB transient: the CPU backend gives"
-  echo "bf16 matmul operands float32 copies. On one H200 (tpu/README.md) a 2B step at 32K tokens peaked at 36.5 GiB."
+  echo "(\`python3 benchmarks/bench_layer_memory.py --seqs 16384,32768,65536\`): 2.83 GiB at T=16K, 6.77 GiB at 32K,"
+  echo "13.77 GiB at 64K (0.215 MiB per token), below the plan's transient: the plan counts a whole layer's saved"
+  echo "residuals, while each layer's halves and its mixer's token-wise stages are checkpoints of their own (block.py,"
+  echo "remat.py). On one H200 (tpu/README.md) a 2B step at 32K tokens peaked at 36.5 GiB (before those checkpoints)."
   echo
   echo "With mesh.tensor > 1 the rules table's sequence axis splits the residual stream by tokens over tensor"
   echo "(sequence parallelism, tmax_jax/sharding.py) and tensor parallelism splits the layers' internals by heads;"
