@@ -1,11 +1,12 @@
-"""The chunked SwiGLU's values and hand-written backward vs a float64 NumPy SwiGLU and its gradients."""
+"""The SwiGLU's values and hand-written backward (whole, and in chunks) vs a float64 NumPy SwiGLU and
+its gradients."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tmax_jax.models.qwen35.mlp import chunked_swiglu
+from tmax_jax.models.qwen35.mlp import chunked_swiglu, swiglu
 
 
 def numpy_swiglu_and_grads(x, wg, wu, wd, dy):
@@ -21,8 +22,9 @@ def numpy_swiglu_and_grads(x, wg, wu, wd, dy):
     return h @ wd, (*grads, np.einsum("bti,btd->id", h, dy))
 
 
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunks", "whole"])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)])
-def test_chunked_swiglu_matches_numpy_float64(dtype, tol):
+def test_swiglu_matches_numpy_float64(dtype, tol, chunked):
     rng = np.random.default_rng(0)
     B, T, D, I = 2, 45, 16, 24  # T % chunk != 0: the last chunk is padded
     x = rng.normal(size=(B, T, D)).astype(np.float32)
@@ -32,7 +34,9 @@ def test_chunked_swiglu_matches_numpy_float64(dtype, tol):
     ref, ref_grads = numpy_swiglu_and_grads(x, wg, wu, wd, dy)
 
     def f(x, wg, wu, wd):
-        return chunked_swiglu(x.astype(dtype), wg, wu, wd, 16, jnp.dtype(dtype))
+        if chunked:
+            return chunked_swiglu(x.astype(dtype), wg, wu, wd, 16, jnp.dtype(dtype))
+        return swiglu(x.astype(dtype), wg, wu, wd, jnp.dtype(dtype))
 
     out, vjp = jax.vjp(f, x, wg, wu, wd)
     scale = np.abs(ref).max()

@@ -175,23 +175,27 @@ class GatedDeltaNet(nnx.Module):
                 q, k, v, g, beta = recompute_in_backward(self._conv_heads, w_heads, (qkv, b, a), consts)
             else:
                 q, k, v, g, beta, z = self._pre_train(w_pre, x_BxTxD, consts)
-            o, _ = chunked_gated_delta_rule(
-                q,
-                k,
-                v,
-                g,
-                beta,
-                None,
-                groups_BxT,
-                chunk_size=self.chunk_size,
-                kernels=self.kernels,
-                out_dtype=self.dtype,
-            )
+            o, _ = self._chunked(q, k, v, g, beta, None, groups_BxT)
             if stages:
                 post = lambda w, oz: self._post(w, oz, ())  # noqa: E731
                 return tokenwise_chunked(post, w_post, (o, z), self.token_chunk), None
             return self._post(w_post, (o, z), ()), None
         return self._with_state(w, x_BxTxD, segment_ids_BxT, state)
+
+    def _chunked(self, q, k, v, g, beta, s0, groups):
+        """The chunked delta rule at this layer's chunk size and kernels, output in the compute dtype."""
+        return chunked_gated_delta_rule(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            s0,
+            groups,
+            chunk_size=self.chunk_size,
+            kernels=self.kernels,
+            out_dtype=self.dtype,
+        )
 
     def _projections(self, w, x_BxTxD, valid_BxT):
         dt = self.dtype
@@ -280,17 +284,6 @@ class GatedDeltaNet(nnx.Module):
         if T == 1:
             o_BxTxHxV, s_final = recurrent_gated_delta_rule(q, k, v, g, beta, rec_state)
         else:
-            o_BxTxHxV, s_final = chunked_gated_delta_rule(
-                q,
-                k,
-                v,
-                g,
-                beta,
-                rec_state,
-                None,
-                chunk_size=self.chunk_size,
-                kernels=self.kernels,
-                out_dtype=dt,
-            )
+            o_BxTxHxV, s_final = self._chunked(q, k, v, g, beta, rec_state, None)
         out = self._post(w, (o_BxTxHxV, z_BxTxHxV), ())
         return out, (new_conv, s_final.astype(f32))

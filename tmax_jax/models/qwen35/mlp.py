@@ -49,30 +49,59 @@ def _chunked_fwd(x, w_gate, w_up, w_down, chunk, dtype):
     return chunked_swiglu(x, w_gate, w_up, w_down, chunk, dtype), (x, w_gate, w_up, w_down)
 
 
+def _swiglu_grads(x, dy, wg, wu, wd, dtype):
+    """SwiGLU's backward from its input ``x`` and output cotangent ``dy`` (both ``dtype``), the gate
+    and up projections recomputed: (dx, (d w_gate, d w_up, d w_down)), all float32."""
+    gate = jnp.einsum("btd,di->bti", x, wg)
+    up = jnp.einsum("btd,di->bti", x, wu)
+    g32 = gate.astype(f32)
+    sig = jax.nn.sigmoid(g32)
+    silu = (g32 * sig).astype(dtype)
+    h = silu * up
+    dh = jnp.einsum("btd,id->bti", dy, wd, preferred_element_type=f32)
+    dgate = (dh * up.astype(f32) * sig * (1 + g32 * (1 - sig))).astype(dtype)
+    dup = (dh * silu.astype(f32)).astype(dtype)
+    dx = jnp.einsum("bti,di->btd", dgate, wg, preferred_element_type=f32) + jnp.einsum(
+        "bti,di->btd", dup, wu, preferred_element_type=f32
+    )
+    dws = (
+        jnp.einsum("btd,bti->di", x, dgate, preferred_element_type=f32),
+        jnp.einsum("btd,bti->di", x, dup, preferred_element_type=f32),
+        jnp.einsum("bti,btd->id", h, dy, preferred_element_type=f32),
+    )
+    return dx, dws
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def swiglu(x_BxTxD, w_gate, w_up, w_down, dtype):
+    """SwiGLU in one piece, weights cast to ``dtype``. Its backward recomputes the gate and up
+    projections instead of keeping three ``[B, T, intermediate]`` activations, and takes the weights'
+    gradients as float32 matmuls (not rounded to ``dtype`` before the cast to the parameters')."""
+    return _swiglu(x_BxTxD, *(w.astype(dtype) for w in (w_gate, w_up, w_down)))
+
+
+def _swiglu_fwd(x, w_gate, w_up, w_down, dtype):
+    return swiglu(x, w_gate, w_up, w_down, dtype), (x, w_gate, w_up, w_down)
+
+
+def _swiglu_bwd(dtype, res, dy):
+    x, w_gate, w_up, w_down = res
+    ws = (w_gate, w_up, w_down)
+    dx, dws = _swiglu_grads(x, dy.astype(dtype), *(w.astype(dtype) for w in ws), dtype)
+    return (dx.astype(x.dtype), *(d.astype(w.dtype) for d, w in zip(dws, ws)))
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
 def _chunked_bwd(chunk, dtype, res, dy_BxTxD):
     x, w_gate, w_up, w_down = res
     wg, wu, wd = (w.astype(dtype) for w in (w_gate, w_up, w_down))
 
     def step(acc, xs):
         x_c, dy_c = xs
-        gate = jnp.einsum("btd,di->bti", x_c, wg)
-        up = jnp.einsum("btd,di->bti", x_c, wu)
-        g32 = gate.astype(f32)
-        sig = jax.nn.sigmoid(g32)
-        silu = (g32 * sig).astype(dtype)
-        h = silu * up
-        dh = jnp.einsum("btd,id->bti", dy_c, wd, preferred_element_type=f32)
-        dgate = (dh * up.astype(f32) * sig * (1 + g32 * (1 - sig))).astype(dtype)
-        dup = (dh * silu.astype(f32)).astype(dtype)
-        dx = jnp.einsum("bti,di->btd", dgate, wg, preferred_element_type=f32) + jnp.einsum(
-            "bti,di->btd", dup, wu, preferred_element_type=f32
-        )
-        acc = (
-            acc[0] + jnp.einsum("btd,bti->di", x_c, dgate, preferred_element_type=f32),
-            acc[1] + jnp.einsum("btd,bti->di", x_c, dup, preferred_element_type=f32),
-            acc[2] + jnp.einsum("bti,btd->id", h, dy_c, preferred_element_type=f32),
-        )
-        return acc, dx.astype(x.dtype)
+        dx, dws = _swiglu_grads(x_c, dy_c, wg, wu, wd, dtype)
+        return tuple(a + d for a, d in zip(acc, dws)), dx.astype(x.dtype)
 
     # Accumulators tied to this call's cotangent: as constants, XLA would copy every layer's at the
     # start of the backward pass (numerics.zeros_after).
@@ -113,5 +142,5 @@ class SwiGLU(nnx.Module):
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         weights = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
         if x_BxTxD.shape[1] <= self.chunk:
-            return _swiglu(x_BxTxD, *(w.astype(self.dtype) for w in weights))
+            return swiglu(x_BxTxD, *weights, jnp.dtype(self.dtype))
         return chunked_swiglu(x_BxTxD, *weights, self.chunk, jnp.dtype(self.dtype))
