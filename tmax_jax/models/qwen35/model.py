@@ -1,7 +1,7 @@
 """Qwen 3.5 text decoder for causal LM, pure JAX/nnx, with a float32 LM head.
 
 Layers of one ``layer_pattern`` period are stacked along a leading ``layers`` axis and run with
-``jax.lax.scan``, so compile time does not grow with depth.
+``jax.lax.scan``, so compile time does not grow with depth (unrolled up to ``UNROLL_MAX_PERIODS``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,11 @@ from tmax_jax.rl.logprobs import head_logits
 from tmax_jax.sharding import shard_tokens
 
 f32 = jnp.float32
+# Without a cache, models of up to this many layer periods unroll the period loop: a scan keeps
+# compile time flat in depth, but at 2 periods the unrolled loop compiles no slower (75M model's train
+# step: 8.3 vs 9.7 s) and runs 4-7% faster on CPU (no per-step slices of the stacked weights, no
+# stacked gradient updates); at 4 and 8 periods it compiled 4 s and 12 s slower.
+UNROLL_MAX_PERIODS = 2
 _REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -209,7 +214,9 @@ class Qwen35ForCausalLM(nnx.Module):
                 f"{len(periods)} {'with' if cache is not None else 'without'} a cache"
             )
         if cache is None:
-            x_BxTxD, (_, aux) = jax.lax.scan(period, x_BxTxD, (block_state, None, routing))
+            x_BxTxD, (_, aux) = jax.lax.scan(
+                period, x_BxTxD, (block_state, None, routing), unroll=G <= UNROLL_MAX_PERIODS
+            )
             new_cache = None
         elif periods is not None:
             # Static indices: each period reads its own weight buffers and every layer updates its
