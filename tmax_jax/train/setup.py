@@ -245,7 +245,9 @@ def _copy_dir_tasks(cfg: TrainConfig, root: Path) -> None:
         if len(tasks) < 2:
             raise ConfigError(f"tasks.dir {d} has {len(tasks)} usable task(s); need at least 2")
         tasks.sort(key=lambda t: str(t.path))
-        random.Random(f"{cfg.tasks.seed}:{d}").shuffle(tasks)
+        # Seeded by the directory's name, not its path: the same tasks split the same way wherever
+        # the directory lives (a path-seeded split changed with pytest's tmp paths).
+        random.Random(f"{cfg.tasks.seed}:{Path(d).name}").shuffle(tasks)
         n_held = min(cfg.tasks.num_heldout, len(tasks) // 4)
         for j, t in enumerate(tasks):
             split = "heldout" if j < n_held else "train"
