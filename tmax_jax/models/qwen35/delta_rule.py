@@ -59,7 +59,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from tmax_jax.models.qwen35.numerics import as_bits as _as_bits
 from tmax_jax.models.qwen35.numerics import f32_matmul_precision, zeros_after
+from tmax_jax.models.qwen35.numerics import from_bits as _from_bits
 
 f32 = jnp.float32
 
@@ -276,20 +278,6 @@ def _chunk_backward(q, k, v, g, beta, masks: ChunkMasks, prep: ChunkPrep, s, do,
 def _block_count(n_chunks: int, per_block: int) -> int:
     """Chunks per block: the largest divisor of ``n_chunks`` not above ``per_block``."""
     return max(d for d in range(1, min(per_block, n_chunks) + 1) if n_chunks % d == 0)
-
-
-def _as_bits(x: jax.Array) -> jax.Array:
-    """16-bit floats as their uint16 bits (a free bitcast) for slicing and updating inside the loops.
-
-    XLA's CPU float normalisation runs bfloat16 dynamic slices and updates in float32: it hoists a
-    float32 copy of the whole input out of the loop (kept for the backward pass) and converts a whole
-    bfloat16 gradient buffer at every step. Integer slices and updates are native everywhere.
-    """
-    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
-
-
-def _from_bits(x: jax.Array, dtype) -> jax.Array:
-    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
 
 
 def _load(x: jax.Array, dtype, n0, m: int, C: int) -> jax.Array:

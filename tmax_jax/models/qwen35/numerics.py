@@ -1,8 +1,11 @@
-"""Precision of the float32 matmuls that must stay float32 (delta-rule state, LM head)."""
+"""Numerics and XLA-facing helpers of the layer stack: the precision of the float32 matmuls that must
+stay float32 (delta-rule state, LM head), loop buffers tied to their data (``zeros_after``), and
+16-bit loop slices as integer bits (``as_bits``, ``scan_into``)."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 
 def f32_matmul_precision() -> jax.lax.Precision | None:
@@ -23,8 +26,6 @@ def zeros_after(shape, dtype, after: jax.Array) -> jax.Array:
     buffers are live at once. A zero tied to the layer's data (``finite(x) * 0``, which no pass folds
     for floats) is made just before its own loop. ``after``: any float array of the same computation.
     """
-    import jax.numpy as jnp
-
     x = jnp.ravel(after)[0].astype(jnp.float32)
     z = jnp.where(jnp.isfinite(x), x, 0.0) * 0.0
     return jnp.broadcast_to(z.astype(dtype), shape)
@@ -37,8 +38,6 @@ def as_bits(x: jax.Array) -> jax.Array:
     float32 copy of the whole input out of the loop (kept for the backward pass) and converts a whole
     bfloat16 buffer at every step. Integer slices and updates are native everywhere.
     """
-    import jax.numpy as jnp
-
     return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
 
 
