@@ -228,15 +228,12 @@ class GatedAttention(nnx.Module):
             "q_norm": self.q_norm[...],
             "k_norm": self.k_norm[...],
         }
-        if stages:  # token-wise (rope's angles come per token): in chunks
-            proj = lambda w, xs: self._project(w, xs[0], xs[1:])  # noqa: E731
-            q_BxTxHxE, gate_BxTxHxE, k_BxTxGxE, v_BxTxGxE = tokenwise_chunked(
-                proj, w_pre, (x_BxTxD, cos_BxTxR, sin_BxTxR), self.token_chunk
-            )
+        x_rope = (x_BxTxD, cos_BxTxR, sin_BxTxR)  # token-wise: rope's angles come per token
+        if stages:
+            projected = tokenwise_chunked(self._project, w_pre, x_rope, self.token_chunk)
         else:
-            q_BxTxHxE, gate_BxTxHxE, k_BxTxGxE, v_BxTxGxE = self._project(
-                w_pre, x_BxTxD, (cos_BxTxR, sin_BxTxR)
-            )
+            projected = self._project(w_pre, x_rope)
+        q_BxTxHxE, gate_BxTxHxE, k_BxTxGxE, v_BxTxGxE = projected
 
         valid_BxT = segment_ids_BxT > 0
         new_cache = None
@@ -287,14 +284,14 @@ class GatedAttention(nnx.Module):
         attn_BxTxHxE = attn_BxTxGxRxE.reshape(B, T, H, hd)
         post = (attn_BxTxHxE, gate_BxTxHxE)
         if stages:
-            out = lambda w, p: self._output(w, p, ())  # noqa: E731
-            return tokenwise_chunked(out, self.o_proj[...], post, self.token_chunk), new_cache
-        return self._output(self.o_proj[...], post, ()), new_cache
+            return tokenwise_chunked(self._output, self.o_proj[...], post, self.token_chunk), new_cache
+        return self._output(self.o_proj[...], post), new_cache
 
-    def _project(self, w, x_BxTxD, rope):
-        """(q [B, T, H, E] normed and rotated, output gate or None, k [B, T, G, E] likewise, v)."""
+    def _project(self, w, x_rope):
+        """(q [B, T, H, E] normed and rotated, output gate or None, k [B, T, G, E] likewise, v) from
+        ``(x, cos, sin)``."""
         dt, hd = self.dtype, self.head_dim
-        cos_BxTxR, sin_BxTxR = rope
+        x_BxTxD, cos_BxTxR, sin_BxTxR = x_rope
         qg_BxTxHx2E = jnp.einsum("btd,dhe->bthe", x_BxTxD, w["q"].astype(dt))
         q_BxTxHxE, gate_BxTxHxE = qg_BxTxHx2E[..., :hd], (qg_BxTxHx2E[..., hd:] if self.gated else None)
         k_BxTxGxE = jnp.einsum("btd,dhe->bthe", x_BxTxD, w["k"].astype(dt))
@@ -305,7 +302,7 @@ class GatedAttention(nnx.Module):
         k_BxTxGxE = apply_partial_rope(k_BxTxGxE, cos_BxTxR, sin_BxTxR)
         return q_BxTxHxE, gate_BxTxHxE, k_BxTxGxE, v_BxTxGxE
 
-    def _output(self, o_proj, attn_gate, consts):
+    def _output(self, o_proj, attn_gate):
         """``o_proj(attn * sigmoid(gate))`` (no gate: ``o_proj(attn)``)."""
         attn_BxTxHxE, gate_BxTxHxE = attn_gate
         if self.gated:

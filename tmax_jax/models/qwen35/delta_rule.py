@@ -368,7 +368,8 @@ def _backward(res, cotangents, C: int, per_block: int):
     grp, prev_last = _groups(groups, C)
     N = grp.shape[1]
     d_out_dtype = d_out.dtype
-    d_out_f = d_out
+    # Gradient buffers tied to this call's cotangent (numerics.zeros_after), not shared constants.
+    grads0 = tuple(_as_bits(zeros_after(x.shape, dt, d_out)) for x, dt in zip(seqs, dtypes))
     d_out = _as_bits(_pad_time(d_out, C))  # [B, N * C, H, V]
     m = _block_count(N, per_block)
 
@@ -387,7 +388,6 @@ def _backward(res, cotangents, C: int, per_block: int):
         grads = tuple(_store(buf, d, dt, n0, C) for buf, d, dt in zip(grads, d_x, dtypes))
         return (ds, grads), None
 
-    grads0 = tuple(_as_bits(zeros_after(x.shape, dt, d_out_f)) for x, dt in zip(seqs, dtypes))
     (ds0, grads), _ = jax.lax.scan(
         block, (d_final.astype(f32), grads0), (jnp.arange(0, N, m), states), reverse=True
     )

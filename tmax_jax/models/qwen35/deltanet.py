@@ -153,34 +153,30 @@ class GatedDeltaNet(nnx.Module):
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """``state`` = (conv ``[B, K, conv_dim]``, recurrent ``[B, Hv, dk, dv]`` float32) or None.
 
-        ``stages`` (training without a cache; ``remat="full"``): the token-wise parts before the delta
-        rule (projections, conv, norms) is a checkpoint recomputed in its own backward pass, and the
-        part after it (gated norm, output projection) runs in chunks of ``token_chunk`` tokens with
-        its own backward (remat.tokenwise_chunked), so the backward holds one stage's internals at a
-        time beside the delta rule's inputs and outputs."""
+        ``stages`` (training without a cache; ``remat="full"``): the input projections and, after the
+        delta rule, the gated norm and output projection run in chunks of ``token_chunk`` tokens with
+        their own backward (remat.tokenwise_chunked), and the conv and head norms are a checkpoint
+        recomputed in its own backward pass, so the backward holds one stage's internals at a time
+        beside the delta rule's inputs and outputs."""
         w = self._weights()
+        if state is not None:
+            return self._with_state(w, x_BxTxD, segment_ids_BxT, state)
         B, T, _ = x_BxTxD.shape
-        if state is None:
-            consts = (segment_ids_BxT, groups_BxT if groups_BxT is not None else jnp.zeros((B, T), jnp.int32))
-            pre = ("qkv", "z", "b", "a", "conv", "dt_bias", "A_log")
-            w_pre = {k: w[k] for k in pre}
-            w_post = {"norm": w["norm"], "out": w["out"]}
-            if stages:
-                # Projections token-wise in chunks; conv and head norms one checkpoint.
-                x_BxTxD = x_BxTxD * (segment_ids_BxT > 0)[..., None].astype(self.dtype)
-                w_proj = {k: w[k] for k in ("qkv", "z", "b", "a")}
-                proj = lambda w, x: self._projections(w, x, None)  # noqa: E731
-                qkv, z, b, a = tokenwise_chunked(proj, w_proj, x_BxTxD, self.token_chunk)
-                w_heads = {k: w[k] for k in ("conv", "dt_bias", "A_log")}
-                q, k, v, g, beta = recompute_in_backward(self._conv_heads, w_heads, (qkv, b, a), consts)
-            else:
-                q, k, v, g, beta, z = self._pre_train(w_pre, x_BxTxD, consts)
-            o, _ = self._chunked(q, k, v, g, beta, None, groups_BxT)
-            if stages:
-                post = lambda w, oz: self._post(w, oz, ())  # noqa: E731
-                return tokenwise_chunked(post, w_post, (o, z), self.token_chunk), None
-            return self._post(w_post, (o, z), ()), None
-        return self._with_state(w, x_BxTxD, segment_ids_BxT, state)
+        consts = (segment_ids_BxT, groups_BxT if groups_BxT is not None else jnp.zeros((B, T), jnp.int32))
+        x_BxTxD = x_BxTxD * (segment_ids_BxT > 0)[..., None].astype(self.dtype)
+        w_proj = {k: w[k] for k in ("qkv", "z", "b", "a")}
+        w_heads = {k: w[k] for k in ("conv", "dt_bias", "A_log")}
+        w_post = {k: w[k] for k in ("norm", "out")}
+        if stages:
+            qkv, z, b, a = tokenwise_chunked(self._projections, w_proj, x_BxTxD, self.token_chunk)
+            q, k, v, g, beta = recompute_in_backward(self._conv_heads, w_heads, (qkv, b, a), consts)
+        else:
+            qkv, z, b, a = self._projections(w_proj, x_BxTxD)
+            q, k, v, g, beta = self._conv_heads(w_heads, (qkv, b, a), consts)
+        o, _ = self._chunked(q, k, v, g, beta, None, groups_BxT)
+        if stages:
+            return tokenwise_chunked(self._post, w_post, (o, z), self.token_chunk), None
+        return self._post(w_post, (o, z)), None
 
     def _chunked(self, q, k, v, g, beta, s0, groups):
         """The chunked delta rule at this layer's chunk size and kernels, output in the compute dtype."""
@@ -197,11 +193,10 @@ class GatedDeltaNet(nnx.Module):
             out_dtype=self.dtype,
         )
 
-    def _projections(self, w, x_BxTxD, valid_BxT):
+    def _projections(self, w, x_BxTxD):
+        """(qkv, z, b, a) of ``x`` whose pad tokens the caller has zeroed."""
         dt = self.dtype
         B, T, _ = x_BxTxD.shape
-        if valid_BxT is not None:  # None: the caller has zeroed the pads
-            x_BxTxD = x_BxTxD * valid_BxT[..., None].astype(dt)
         qkv_BxTxC = jnp.einsum("btd,dc->btc", x_BxTxD, w["qkv"].astype(dt))
         z_BxTxHxV = jnp.einsum("btd,dc->btc", x_BxTxD, w["z"].astype(dt)).reshape(
             B, T, self.num_v_heads, self.dv
@@ -240,14 +235,6 @@ class GatedDeltaNet(nnx.Module):
         k_BxTxHxK = jnp.where(valid_BxT[..., None, None], k_BxTxHxK, jnp.zeros((), dt))
         return q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH, beta_BxTxH
 
-    def _pre_train(self, w, x_BxTxD, consts):
-        """Training (no cache): the delta rule's inputs and the output gate ``z``."""
-        segment_ids_BxT, groups_BxT = consts
-        valid_BxT = segment_ids_BxT > 0
-        qkv, z, b, a = self._projections(w, x_BxTxD, valid_BxT)
-        conv = causal_depthwise_conv(qkv, w["conv"].astype(self.dtype), groups_BxT)
-        return (*self._heads(w, conv, b, a, valid_BxT), z)
-
     def _conv_heads(self, w, qkv_b_a, consts):
         """The delta rule's inputs from the projections (training, no cache)."""
         qkv, b, a = qkv_b_a
@@ -255,7 +242,7 @@ class GatedDeltaNet(nnx.Module):
         conv = causal_depthwise_conv(qkv, w["conv"].astype(self.dtype), groups_BxT)
         return self._heads(w, conv, b, a, segment_ids_BxT > 0)
 
-    def _post(self, w, oz, consts):
+    def _post(self, w, oz):
         """``out_proj(gated_norm(o, z))``."""
         o_BxTxHxV, z_BxTxHxV = oz
         dt = self.dtype
@@ -270,7 +257,8 @@ class GatedDeltaNet(nnx.Module):
         B, T, _ = x_BxTxD.shape
         K = self.kernel
         valid_BxT = segment_ids_BxT > 0
-        qkv_BxTxC, z_BxTxHxV, b_BxTxH, a_BxTxH = self._projections(w, x_BxTxD, valid_BxT)
+        x_BxTxD = x_BxTxD * valid_BxT[..., None].astype(dt)
+        qkv_BxTxC, z_BxTxHxV, b_BxTxH, a_BxTxH = self._projections(w, x_BxTxD)
         w_KxC = w["conv"].astype(dt)
         conv_state, rec_state = state
         history_BxKxC = conv_state.astype(dt)
@@ -285,5 +273,5 @@ class GatedDeltaNet(nnx.Module):
             o_BxTxHxV, s_final = recurrent_gated_delta_rule(q, k, v, g, beta, rec_state)
         else:
             o_BxTxHxV, s_final = self._chunked(q, k, v, g, beta, rec_state, None)
-        out = self._post(w, (o_BxTxHxV, z_BxTxHxV), ())
+        out = self._post(w, (o_BxTxHxV, z_BxTxHxV))
         return out, (new_conv, s_final.astype(f32))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tmax_jax.models.qwen35.config import Qwen35Config
-from tmax_jax.models.qwen35.numerics import scan_into, zeros_after
+from tmax_jax.models.qwen35.numerics import merge_tokens, scan_into, split_tokens, zeros_after
 from tmax_jax.models.qwen35.params import make_param, normal
 
 f32 = jnp.float32
@@ -24,25 +24,14 @@ def _swiglu(x_BxTxD, w_gate, w_up, w_down):
     return jnp.einsum("bti,id->btd", jax.nn.silu(gate_BxTxI) * up_BxTxI, w_down)
 
 
-def _chunks(x_BxTxD, chunk):
-    B, T, D = x_BxTxD.shape
-    x = jnp.pad(x_BxTxD, ((0, 0), (0, (-T) % chunk), (0, 0)))
-    return jnp.moveaxis(x.reshape(B, -1, chunk, D), 1, 0)  # [N, B, C, D]
-
-
-def _unchunk(y_NxBxCxD, T):
-    N, B, C, D = y_NxBxCxD.shape
-    return jnp.moveaxis(y_NxBxCxD, 0, 1).reshape(B, N * C, D)[:, :T]
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def chunked_swiglu(x_BxTxD, w_gate, w_up, w_down, chunk: int, dtype):
     """SwiGLU over sequence chunks; weights (any dtype) are cast to ``dtype`` once. The backward pass
     recomputes each chunk and sums the weights' gradients in float32 (autodiff through a chunk loop
     would carry and copy every weight and its cotangent through the loop)."""
     ws = tuple(w.astype(dtype) for w in (w_gate, w_up, w_down))
-    _, y = scan_into(lambda c, xc: (c, _swiglu(xc, *ws)), (), _chunks(x_BxTxD, chunk), after=x_BxTxD)
-    return _unchunk(y, x_BxTxD.shape[1])
+    _, y = scan_into(lambda c, xc: (c, _swiglu(xc, *ws)), (), split_tokens(x_BxTxD, chunk), after=x_BxTxD)
+    return merge_tokens(y, x_BxTxD.shape[1])
 
 
 def _chunked_fwd(x, w_gate, w_up, w_down, chunk, dtype):
@@ -107,9 +96,9 @@ def _chunked_bwd(chunk, dtype, res, dy_BxTxD):
     # start of the backward pass (numerics.zeros_after).
     zeros = tuple(zeros_after(w.shape, f32, dy_BxTxD) for w in (w_gate, w_up, w_down))
     dy = dy_BxTxD.astype(dtype)
-    (dwg, dwu, dwd), dx = scan_into(step, zeros, (_chunks(x, chunk), _chunks(dy, chunk)), after=dy)
+    (dwg, dwu, dwd), dx = scan_into(step, zeros, (split_tokens(x, chunk), split_tokens(dy, chunk)), after=dy)
     return (
-        _unchunk(dx, x.shape[1]),
+        merge_tokens(dx, x.shape[1]),
         dwg.astype(w_gate.dtype),
         dwu.astype(w_up.dtype),
         dwd.astype(w_down.dtype),

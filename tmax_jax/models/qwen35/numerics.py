@@ -1,6 +1,7 @@
 """Numerics and XLA-facing helpers of the layer stack: the precision of the float32 matmuls that must
 stay float32 (delta-rule state, LM head), loop buffers tied to their data (``zeros_after``), and
-16-bit loop slices as integer bits (``as_bits``, ``scan_into``)."""
+16-bit loop slices as integer bits (``as_bits``, ``scan_into``), and sequences cut into token chunks
+(``split_tokens``, ``merge_tokens``)."""
 
 from __future__ import annotations
 
@@ -72,3 +73,16 @@ def scan_into(f, init, xs, *, after: jax.Array, reverse: bool = False):
 
     c, ys = jax.lax.fori_loop(0, n, body, (init, ys0))
     return c, jax.tree.map(lambda yb, s: from_bits(yb, s.dtype), ys, y_struct)
+
+
+def split_tokens(a: jax.Array, chunk: int) -> jax.Array:
+    """``[B, T, ...]`` as ``[n, B, chunk, ...]`` chunks of tokens, the last one zero-padded."""
+    n = -(-a.shape[1] // chunk)
+    a = jnp.pad(a, [(0, 0), (0, n * chunk - a.shape[1])] + [(0, 0)] * (a.ndim - 2))
+    return jnp.moveaxis(a.reshape(a.shape[0], n, chunk, *a.shape[2:]), 1, 0)
+
+
+def merge_tokens(a: jax.Array, T: int) -> jax.Array:
+    """``split_tokens``' inverse: ``[n, B, chunk, ...]`` back to ``[B, T, ...]``."""
+    a = jnp.moveaxis(a, 0, 1)
+    return a.reshape(a.shape[0], a.shape[1] * a.shape[2], *a.shape[3:])[:, :T]

@@ -5,12 +5,29 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from tmax_jax.models.qwen35.numerics import merge_tokens, scan_into, split_tokens, zeros_after
+
 # Token-wise stages of a checkpointed layer (tokenwise_chunked) run in chunks of this many tokens.
 TOKEN_CHUNK = 1024
 
 
 def _floating(a) -> bool:
     return hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)
+
+
+def _zero_of(tree) -> jax.Array:
+    """A float32 zero that no pass can compute before every float leaf of ``tree`` exists
+    (``numerics.zeros_after`` of each; integer leaves, e.g. float0 cotangents, are skipped)."""
+    zero = jnp.zeros((), jnp.float32)
+    for a in jax.tree.leaves(tree):
+        if _floating(a):
+            zero = zero + zeros_after((), jnp.float32, a)
+    return zero
+
+
+def _anchor(tree, zero):
+    """Every float leaf of ``tree`` plus ``zero``: the same values, available only after ``zero``."""
+    return jax.tree.map(lambda a: a + zero.astype(a.dtype) if _floating(a) else a, tree)
 
 
 def recompute_in_backward(fn, params, x, consts):
@@ -35,20 +52,10 @@ def recompute_in_backward(fn, params, x, consts):
         params, x, consts = res
         g_leaves, g_def = jax.tree.flatten(g)
         floats = [i for i, a in enumerate(g_leaves) if _floating(a)]
-        # One element of each cotangent, times 0 (not folded for floats; non-finite values read as 0):
-        # a zero no pass can compute before the cotangents exist.
-        zero = jnp.zeros((), jnp.float32)
-        for i in floats:
-            v = jnp.ravel(g_leaves[i])[0].astype(jnp.float32)
-            zero = zero + jnp.where(jnp.isfinite(v), v, 0.0) * 0.0
-
-        def anchor(a):
-            return a + zero.astype(a.dtype) if _floating(a) else a
-
         # The inputs, and the weights too: their compute-dtype casts (and the CPU's float32 copies
         # of those for its dots) would otherwise depend on nothing but the parameters, and XLA would
         # make every layer's at the start of the backward pass and keep them all.
-        params, x = jax.tree.map(anchor, (params, x))
+        params, x = _anchor((params, x), _zero_of(g))
         (params, x, consts), g_floats = jax.lax.optimization_barrier(
             ((params, x, consts), [g_leaves[i] for i in floats])
         )
@@ -60,40 +67,21 @@ def recompute_in_backward(fn, params, x, consts):
     return apply(params, x, consts)
 
 
-def _zero_of(tree) -> jax.Array:
-    """A float32 zero computed from one element of each float leaf of ``tree`` (see bwd above)."""
-    zero = jnp.zeros((), jnp.float32)
-    for a in jax.tree.leaves(tree):
-        if _floating(a):
-            v = jnp.ravel(a)[0].astype(jnp.float32)
-            zero = zero + jnp.where(jnp.isfinite(v), v, 0.0) * 0.0
-    return zero
-
-
-def _anchor(tree, zero):
-    return jax.tree.map(lambda a: a + zero.astype(a.dtype) if _floating(a) else a, tree)
-
-
 def tokenwise_chunked(fn, params, xs, chunk: int):
     """``fn(params, xs)`` for a ``fn`` that works on each token alone (axis 1 of every leaf of ``xs``
     and of its output), run over chunks of ``chunk`` tokens with its own backward pass: the backward
     recomputes one chunk at a time and sums the parameters' gradients in float32, so neither pass
     holds more than one chunk's internals. Up to ``chunk`` tokens it is ``fn`` itself.
     """
-    from tmax_jax.models.qwen35.numerics import scan_into, zeros_after
-
     T = jax.tree.leaves(xs)[0].shape[1]
     if T <= chunk:
         return fn(params, xs)
-    n = -(-T // chunk)
 
-    def split(a):  # [B, T, ...] -> [n, B, chunk, ...]
-        a = jnp.pad(a, [(0, 0), (0, n * chunk - T)] + [(0, 0)] * (a.ndim - 2))
-        return jnp.moveaxis(a.reshape(a.shape[0], n, chunk, *a.shape[2:]), 1, 0)
+    def split(a):
+        return split_tokens(a, chunk)
 
-    def merge(a):  # [n, B, chunk, ...] -> [B, T, ...]
-        a = jnp.moveaxis(a, 0, 1)
-        return a.reshape(a.shape[0], n * chunk, *a.shape[3:])[:, :T]
+    def merge(a):
+        return merge_tokens(a, T)
 
     @jax.custom_vjp
     def run(params, xs):
