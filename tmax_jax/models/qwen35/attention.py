@@ -307,4 +307,9 @@ class GatedAttention(nnx.Module):
         attn_BxTxHxE, gate_BxTxHxE = attn_gate
         if self.gated:
             attn_BxTxHxE = attn_BxTxHxE * jax.nn.sigmoid(gate_BxTxHxE)
-        return jnp.einsum("bthe,hed->btd", attn_BxTxHxE, o_proj.astype(self.dtype))
+        # As one [B, T, H*E] x [H*E, D] matmul: with the heads as two contracted axes, XLA CPU
+        # transposed the weight (not the few decode rows) at every decode step.
+        B, T, H, E = attn_BxTxHxE.shape
+        return jnp.einsum(
+            "btc,cd->btd", attn_BxTxHxE.reshape(B, T, H * E), o_proj.astype(self.dtype).reshape(H * E, -1)
+        )

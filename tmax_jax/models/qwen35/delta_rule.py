@@ -153,7 +153,7 @@ class ChunkPrep(NamedTuple):
     v_beta: jax.Array  # [..., C, dv] diag(beta) V
     kq_read: jax.Array  # [..., 2C, dk] rows :C  k_read = diag(beta exp(cum) reads) K (what S predicts),
     #                                   rows C: q_read = diag(exp(cum) reads) Q (what reads S)
-    k_write_t: jax.Array  # [..., dk, C] (diag(exp(cum_last - cum) writes) K)^T (what S' takes in)
+    k_write: jax.Array  # [..., C, dk] diag(exp(cum_last - cum) writes) K (what S' takes in)
     intra: jax.Array  # [..., C, C] P: (Q K^T) * D
     gamma: jax.Array  # [...] exp(cum_last) * carried: the incoming state's decay over the chunk
 
@@ -176,8 +176,7 @@ def _chunk_prepare(q, k, v, g, beta, masks: ChunkMasks) -> ChunkPrep:
         t_inv=_unit_lower_inverse(jnp.where(_lead(strict, scores.ndim - 1), scores[..., 0, :, :], 0.0)),
         v_beta=v * beta[..., None],
         kq_read=kb_q * jnp.concatenate([read, read], axis=-1)[..., None],
-        # Stored transposed so the state update is a plain [dk, C] x [C, dv] matmul.
-        k_write_t=jnp.swapaxes(k * (jnp.exp(cum[..., -1:] - cum) * masks.writes)[..., None], -1, -2),
+        k_write=k * (jnp.exp(cum[..., -1:] - cum) * masks.writes)[..., None],
         intra=scores[..., 1, :, :],
         gamma=jnp.exp(cum[..., -1]) * masks.carried,
     )
@@ -192,7 +191,7 @@ def _chunk_forward_states(prep: ChunkPrep, s: jax.Array) -> tuple[jax.Array, jax
     C = prep.t_inv.shape[-1]
     kq_s = _mm("...ck,...kv->...cv", prep.kq_read, s)
     v_new = _mm("...cs,...sv->...cv", prep.t_inv, prep.v_beta - kq_s[..., :C, :])
-    s_next = s * prep.gamma[..., None, None] + _mm("...kc,...cv->...kv", prep.k_write_t, v_new)
+    s_next = s * prep.gamma[..., None, None] + _mm("...ck,...cv->...kv", prep.k_write, v_new)
     return s_next, v_new, kq_s[..., C:, :]
 
 
@@ -208,7 +207,7 @@ def _chunk_backward_states(prep: ChunkPrep, do: jax.Array, ds_next: jax.Array):
     ``(ds [..., dk, dv]`` of the incoming state, ``dv_new [..., C, dv]``, ``dr [..., C, dv])`` where
     ``dr = T^T dv_new`` is the cotangent of ``v_beta - k_read s``.
     """
-    dv_new = _mm("...cs,...cv->...sv", prep.intra, do) + _mm("...kc,...kv->...cv", prep.k_write_t, ds_next)
+    dv_new = _mm("...cs,...cv->...sv", prep.intra, do) + _mm("...ck,...kv->...cv", prep.k_write, ds_next)
     dr = _mm("...sc,...sv->...cv", prep.t_inv, dv_new)
     # s is read by k_read (through -dr) and q_read (through do): one matmul over [k_read; q_read].
     ds = ds_next * prep.gamma[..., None, None] + _mm(
@@ -227,7 +226,7 @@ def _chunk_backward(q, k, v, g, beta, masks: ChunkMasks, prep: ChunkPrep, s, do,
     k_read, q_read = prep.kq_read[..., :C, :], prep.kq_read[..., C:, :]
     r = prep.v_beta - _mm("...ck,...kv->...cv", k_read, s)
     v_new = _mm("...cs,...sv->...cv", prep.t_inv, r)
-    k_write = jnp.swapaxes(prep.k_write_t, -1, -2)
+    k_write = prep.k_write
     read = jnp.exp(prep.cum) * masks.reads
     write = jnp.exp(prep.cum[..., -1:] - prep.cum) * masks.writes
     k_beta = k * beta[..., None]

@@ -22,20 +22,6 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def _shift(x: jax.Array, lag: int, fill=0) -> jax.Array:
-    """``x[:, t - lag]`` along axis 1 (``lag < 0``: from the future), ``fill`` where that is outside."""
-    T = x.shape[1]
-    pad = [(0, 0)] * x.ndim
-    pad[1] = (lag, 0) if lag >= 0 else (0, -lag)
-    padded = jnp.pad(x, pad, constant_values=fill)
-    return padded[:, :T] if lag >= 0 else padded[:, -lag:]
-
-
-def _same_group(groups_BxT: jax.Array, lag: int, dtype) -> jax.Array:
-    """``[B, T, 1]``: 1 where token ``t - lag`` exists and is in token t's packed group."""
-    return (_shift(groups_BxT, lag, -1) == groups_BxT)[..., None].astype(dtype)
-
-
 # The weight gradient is reduced over time in blocks of this many tokens.
 _CONV_GRAD_BLOCK = 512
 
@@ -49,14 +35,14 @@ def causal_depthwise_conv(x_BxTxC: jax.Array, w_KxC: jax.Array, groups_BxT: jax.
     over blocks of time, and the input gradient is the transposed taps.
     """
     K, T = w_KxC.shape[0], x_BxTxC.shape[1]
+    lags = min(K, T) - 1
+    # One padded copy read at every lag (not one padded copy per lag: the op is memory-bound).
+    x_p = jnp.pad(x_BxTxC, ((0, 0), (lags, 0), (0, 0)))
+    g_p = jnp.pad(groups_BxT, ((0, 0), (lags, 0)), constant_values=-1)
     out = x_BxTxC * w_KxC[None, None, K - 1]
-    for lag in range(1, min(K, T)):
-        out = (
-            out
-            + _shift(x_BxTxC, lag)
-            * _same_group(groups_BxT, lag, x_BxTxC.dtype)
-            * w_KxC[None, None, K - 1 - lag]
-        )
+    for lag in range(1, lags + 1):
+        same = (g_p[:, lags - lag : lags - lag + T] == groups_BxT)[..., None].astype(x_BxTxC.dtype)
+        out = out + x_p[:, lags - lag : lags - lag + T] * same * w_KxC[None, None, K - 1 - lag]
     return out
 
 
@@ -67,9 +53,15 @@ def _conv_fwd(x_BxTxC, w_KxC, groups_BxT):
 def _conv_bwd(res, d_BxTxC):
     x, w, groups = res
     K, T = w.shape[0], x.shape[1]
+    lags = min(K, T) - 1
+    # dx[t] = sum_lag d[t + lag] [same group] w[K-1-lag]: one copy of d padded at the end, every lag
+    # read from it.
+    d_e = jnp.pad(d_BxTxC, ((0, 0), (0, lags), (0, 0)))
+    g_e = jnp.pad(groups, ((0, 0), (0, lags)), constant_values=-1)
     dx = d_BxTxC * w[None, None, K - 1]
-    for lag in range(1, min(K, T)):
-        dx = dx + _shift(d_BxTxC * _same_group(groups, lag, x.dtype), -lag) * w[None, None, K - 1 - lag]
+    for lag in range(1, lags + 1):
+        same = (g_e[:, lag : lag + T] == groups)[..., None].astype(x.dtype)
+        dx = dx + d_e[:, lag : lag + T] * same * w[None, None, K - 1 - lag]
     # dw[j] = sum_t d[t] x[t - (K-1) + j] (same group), block by block over time.
     Tb = min(_CONV_GRAD_BLOCK, T)
     pad = (-T) % Tb
