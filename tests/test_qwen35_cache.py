@@ -123,9 +123,9 @@ def test_right_padding_leaves_the_cache_exactly_as_the_unpadded_prefill(model, p
     )
     np.testing.assert_allclose(np.asarray(padded.conv[:, 1]), np.asarray(unpadded.conv[:, 0]), atol=1e-6)
     np.testing.assert_allclose(
-        np.asarray(padded.k[:, 1, :, :50]), np.asarray(unpadded.k[:, 0, :, :50]), atol=1e-6
+        np.stack(padded.k)[:, 1, :, :50], np.stack(unpadded.k)[:, 0, :, :50], atol=1e-6
     )
-    assert not np.asarray(padded.k[:, 1, :, 50:]).any(), "pads must not be written to the KV cache"
+    assert not np.stack(padded.k)[:, 1, :, 50:].any(), "pads must not be written to the KV cache"
 
 
 def test_packed_segments_equal_separate_forwards(model, pure):
@@ -184,21 +184,32 @@ def test_cache_layout_reset_rows_and_pytree(model):
     cfg = model.config
     cache = model.init_cache(3, 32, dtype=jnp.bfloat16)
     assert isinstance(cache, Qwen35Cache)
-    assert cache.k.shape == (cfg.num_full_layers, 3, cfg.num_key_value_heads, 32, cfg.head_dim)
+    # One K and one V buffer per attention layer (decode reads and writes them in place).
+    assert len(cache.k) == len(cache.v) == cfg.num_full_layers
+    for a in cache.k + cache.v:
+        assert a.shape == (3, cfg.num_key_value_heads, 32, cfg.head_dim) and a.dtype == jnp.bfloat16
     assert cache.conv.shape == (cfg.num_linear_layers, 3, cfg.linear_conv_kernel_dim, cfg.conv_dim)
     assert cache.recurrent.shape[1:] == (3, cfg.linear_num_value_heads, cfg.linear_key_head_dim, 16)
-    assert cache.k.dtype == jnp.bfloat16 and cache.recurrent.dtype == jnp.float32
+    assert cache.recurrent.dtype == jnp.float32
+    assert cache.max_len == 32
     filled = dataclasses.replace(
         cache,
         lengths=jnp.array([5, 6, 7], jnp.int32),
-        k=jnp.ones_like(cache.k),
+        k=tuple(jnp.ones_like(a) for a in cache.k),
         recurrent=jnp.ones_like(cache.recurrent),
     )
     reset = jax.jit(lambda c, r: c.reset_rows(r))(filled, jnp.array([False, True, False]))
     np.testing.assert_array_equal(np.asarray(reset.lengths), [5, 0, 7])
-    assert not np.asarray(reset.k[:, 1], np.float32).any() and np.asarray(reset.k[:, 0], np.float32).all()
+    k = np.stack(reset.k).astype(np.float32)
+    assert not k[:, 1].any() and k[:, 0].all() and k[:, 2].all()
     assert not np.asarray(reset.recurrent[:, 1]).any() and np.asarray(reset.recurrent[:, 2]).all()
-    assert len(jax.tree.leaves(cache)) == 5
+    assert len(jax.tree.leaves(cache)) == 3 + 2 * cfg.num_full_layers
+    # narrow / widen_into: attention reads a prefix of every layer's keys, written back in place.
+    small = filled.narrow(16)
+    assert all(a.shape[2] == 16 for a in small.k + small.v) and small.max_len == 16
+    back = small.replace(k=tuple(a * 2 for a in small.k)).widen_into(filled)
+    kb = np.stack(back.k).astype(np.float32)
+    assert (kb[..., :16, :] == 2).all() and (kb[..., 16:, :] == 1).all() and back.max_len == 32
 
 
 def test_bad_inputs_are_named_errors(model):

@@ -243,22 +243,18 @@ class GatedAttention(nnx.Module):
             k_idx_S = jnp.arange(T)
             q_seg_BxT, k_seg_BxS = segment_ids_BxT, segment_ids_BxT
         else:
-            # (k, v) of this layer [B, G, S, E], or (k, v, layer) of every attention layer
-            # [La, B, G, S, E]: then the new tokens are written into the stacked arrays in place.
-            cache_k, cache_v, *layer = kv_cache
-            idx = tuple(layer)
-            S = cache_k.shape[len(idx) + 2]
+            # (k, v) of this layer [B, G, S, E]; the new tokens are written in place.
+            cache_k, cache_v = kv_cache
+            S = cache_k.shape[2]
             slot_BxT = lengths_B[:, None] + jnp.arange(T)[None, :]
             # Pads write out of bounds, which mode="drop" discards: the cache never sees them.
             rows = jnp.arange(B)[:, None]
             write_BxT = jnp.where(valid_BxT, slot_BxT, S)
-            # Row b's token t goes to [.., b, :, write[b, t]] (the indexed dims lead the update: [B, T, G, E]).
-            at = (*idx, rows, slice(None), write_BxT)
+            # Row b's token t goes to [b, :, write[b, t]] (the indexed dims lead the update: [B, T, G, E]).
+            at = (rows, slice(None), write_BxT)
             cache_k = cache_k.at[at].set(k_BxTxGxE.astype(cache_k.dtype), mode="drop")
             cache_v = cache_v.at[at].set(v_BxTxGxE.astype(cache_v.dtype), mode="drop")
             new_cache = (cache_k, cache_v)
-            if idx:
-                cache_k, cache_v = cache_k[idx[0]], cache_v[idx[0]]
             keys, values = cache_k.astype(dt), cache_v.astype(dt)
             new_len_B = lengths_B + valid_BxT.sum(-1).astype(lengths_B.dtype)
             q_idx_BxT, k_idx_S = slot_BxT, jnp.arange(S)

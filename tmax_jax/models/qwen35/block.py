@@ -186,21 +186,23 @@ class PatternBlock(nnx.Module):
 
     def decode(self, x, ctx, caches, first, *, replay=None, collect=()):
         """(output, new caches, new conv states, aux) with ``caches`` = (k, v, conv, recurrent) of
-        *every* layer (``Qwen35Cache``'s stacked arrays) and ``first`` = (the index of this period's
-        first attention layer, of its first DeltaNet layer) in them. Attention layers write their new
-        keys and values, DeltaNet layers their recurrent state, into the stacked arrays in place (no
-        per-period slices stacked and written back). The new conv states come back one per DeltaNet
+        *every* layer (``Qwen35Cache``'s arrays: lists of per-layer K/V, stacked DeltaNet states) and
+        ``first`` = (the index of this period's first attention layer, of its first DeltaNet layer) in
+        them. Attention layers write their new keys and values into their own buffers, DeltaNet layers
+        their recurrent state into the stacked array, in place (no per-period slices stacked and
+        written back). The new conv states come back one per DeltaNet
         layer, for the caller to stack once every layer has read the old ones: XLA fuses the read of
         a layer's old conv rows into many of its consumers, and an in-place write before the last of
         them would make it copy the whole array at every layer."""
         collect = tuple(collect)
         k, v, conv, rec = caches
+        k, v = list(k), list(v)
         fa, la = first
         auxes, convs = [], []
         for i, (kind, layer) in enumerate(zip(self.pattern, self.layers)):
             rp = None if replay is None else replay[i]
             if kind == FULL:
-                x, (k, v), aux = layer(x, ctx, (k, v, fa), rp)
+                x, (k[fa], v[fa]), aux = layer(x, ctx, (k[fa], v[fa]), rp)
                 fa += 1
             else:
                 x, (c, r), aux = layer(x, ctx, (conv[la], rec[la]), rp)

@@ -1,7 +1,10 @@
 """Decode cache for Qwen 3.5: KV for the full-attention layers, conv + recurrent state for Gated DeltaNet.
 
-Layer-stacked arrays (leading axis = the n-th layer of that kind, in model order) so that the scanned
-decoder reads one slice per layer; the batch (slot) axis is axis 1 of every per-layer array.
+Keys and values are one array per attention layer, so that a decode step reads and writes each
+layer's buffer in place: a slice of a layer-stacked array is a copy on XLA's CPU backend, of the
+whole cache at every decode step (at 4,096 cached keys, a third of the step). The DeltaNet states are
+layer-stacked (leading axis = the n-th DeltaNet layer, in model order; they are small and each step
+rewrites them anyway). The batch (slot) axis is axis 0 of every K/V array and axis 1 of the stacked ones.
 """
 
 from __future__ import annotations
@@ -20,19 +23,19 @@ class Qwen35Cache:
     lengths: jax.Array  # int32 [B]: valid tokens so far per row
     # Head-major, so that decode attention reads each head's keys as one [max_len, head_dim] matrix
     # (a [.., max_len, heads, ..] layout costs a transposed copy of every layer's cache per step).
-    k: jax.Array  # [num_full_layers, B, num_kv_heads, max_len, head_dim] (cache dtype)
-    v: jax.Array  # [num_full_layers, B, num_kv_heads, max_len, head_dim] (cache dtype)
+    k: tuple[jax.Array, ...]  # per attention layer: [B, num_kv_heads, max_len, head_dim] (cache dtype)
+    v: tuple[jax.Array, ...]  # per attention layer: [B, num_kv_heads, max_len, head_dim] (cache dtype)
     conv: jax.Array  # [num_linear_layers, B, K, conv_dim] (cache dtype): last K inputs of the conv
     recurrent: jax.Array  # [num_linear_layers, B, Hv, dk, dv] float32
 
     @classmethod
     def create(cls, cfg: Qwen35Config, batch_size: int, max_len: int, dtype=jnp.bfloat16) -> Qwen35Cache:
         La, Ll = cfg.num_full_layers, cfg.num_linear_layers
-        kv_shape = (La, batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        kv_shape = (batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
         return cls(
             lengths=jnp.zeros((batch_size,), jnp.int32),
-            k=jnp.zeros(kv_shape, dtype),
-            v=jnp.zeros(kv_shape, dtype),
+            k=tuple(jnp.zeros(kv_shape, dtype) for _ in range(La)),
+            v=tuple(jnp.zeros(kv_shape, dtype) for _ in range(La)),
             conv=jnp.zeros((Ll, batch_size, cfg.linear_conv_kernel_dim, cfg.conv_dim), dtype),
             recurrent=jnp.zeros(
                 (
@@ -51,8 +54,15 @@ class Qwen35Cache:
         return self.lengths.shape[0]
 
     @property
-    def max_len(self) -> int:
-        return self.k.shape[3]
+    def max_len(self) -> int | None:
+        """KV positions per row (None without attention layers: nothing to narrow)."""
+        return self.k[0].shape[2] if self.k else None
+
+    def stacked_kv(self) -> tuple[jax.Array, jax.Array]:
+        """(k, v) stacked over the attention layers: ``[num_full_layers, B, G, max_len, E]`` (copies)."""
+        if not self.k:
+            return (jnp.zeros((0, self.batch_size, 0, 0, 0)),) * 2
+        return jnp.stack(self.k), jnp.stack(self.v)
 
     def replace(self, **changes) -> Qwen35Cache:
         return dataclasses.replace(self, **changes)
@@ -61,14 +71,14 @@ class Qwen35Cache:
         """Empties the rows where ``rows_B`` is True (a slot handed to a new sequence); jit-able."""
         keep = ~rows_B
 
-        def clear(x):
-            shape = (1, x.shape[1]) + (1,) * (x.ndim - 2)
+        def clear(x, axis: int = 1):
+            shape = (1,) * axis + (x.shape[axis],) + (1,) * (x.ndim - axis - 1)
             return x * keep.reshape(shape).astype(x.dtype)
 
         return Qwen35Cache(
             lengths=jnp.where(keep, self.lengths, 0),
-            k=clear(self.k),
-            v=clear(self.v),
+            k=tuple(clear(a, 0) for a in self.k),
+            v=tuple(clear(a, 0) for a in self.v),
             conv=clear(self.conv),
             recurrent=clear(self.recurrent),
         )
@@ -77,13 +87,19 @@ class Qwen35Cache:
         """The same cache with the KV arrays cut to their first ``length`` positions (static), so that
         attention reads only that many keys. Rows must hold fewer than ``length`` tokens after the
         calls that use it; write the result back with :meth:`widen_into`."""
-        if length >= self.max_len:
+        if not self.k or length >= self.max_len:
             return self
-        return self.replace(k=self.k[:, :, :, :length], v=self.v[:, :, :, :length])
+        return self.replace(k=tuple(a[:, :, :length] for a in self.k), v=tuple(a[:, :, :length] for a in self.v))
 
     def widen_into(self, full: Qwen35Cache) -> Qwen35Cache:
         """This (narrowed) cache written into ``full``'s KV arrays; the other leaves are this one's."""
         if self.max_len == full.max_len:
             return self
-        put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), 0, axis=3)  # noqa: E731
+
+        def put(bigs, smalls):
+            return tuple(
+                jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), 0, axis=2)
+                for big, small in zip(bigs, smalls)
+            )
+
         return self.replace(k=put(full.k, self.k), v=put(full.v, self.v))

@@ -219,9 +219,9 @@ class Qwen35ForCausalLM(nnx.Module):
             )
             new_cache = None
         elif periods is not None:
-            # Static indices: each period reads its own weight buffers and every layer updates its
-            # slice of the stacked cache arrays in place.
-            full = (cache.k, cache.v, cache.conv, cache.recurrent)
+            # Static indices: each period reads its own weight buffers, every attention layer its own
+            # K/V buffers, and every DeltaNet layer updates its slice of the stacked states in place.
+            full = (list(cache.k), list(cache.v), cache.conv, cache.recurrent)
             n_full = cfg.num_full_layers // G
             n_lin = cfg.num_linear_layers // G
             auxes, convs = [], []
@@ -240,12 +240,14 @@ class Qwen35ForCausalLM(nnx.Module):
             aux = jax.tree.map(lambda *xs: jnp.stack(xs), *auxes)
             if convs:
                 full = (*full[:2], jnp.stack(convs), full[3])
-            new_cache = self._next_cache(cache, [per_period(a) for a in full], segment_ids)
+            new_cache = self._next_cache(cache, *full, segment_ids)
         else:
             # The whole cache rides in the loop's carry and each period writes its slice back in
             # place: as the scan's stacked output it would be a second, cache-sized buffer written in
             # full and copied back at every decode step.
-            caches = tuple(per_period(a) for a in (cache.k, cache.v, cache.conv, cache.recurrent))
+            # (The per-layer K/V buffers are stacked for the loop and split after it: copies, which the
+            # unrolled form, the engine's default, does not make.)
+            caches = tuple(per_period(a) for a in (*cache.stacked_kv(), cache.conv, cache.recurrent))
 
             def period_in_place(carry, xs):
                 x, full = carry
@@ -260,7 +262,11 @@ class Qwen35ForCausalLM(nnx.Module):
             (x_BxTxD, new), aux = jax.lax.scan(
                 period_in_place, (x_BxTxD, caches), (block_state, routing, jnp.arange(G))
             )
-            new_cache = self._next_cache(cache, new, segment_ids)
+            k, v, conv, rec = (a.reshape(-1, *a.shape[2:]) for a in new)
+            La = len(cache.k)
+            new_cache = self._next_cache(
+                cache, [k[i] for i in range(La)], [v[i] for i in range(La)], conv, rec, segment_ids
+            )
 
         hidden_BxTxD = rms_norm(
             x_BxTxD, self.norm[...], cfg.rms_norm_eps, zero_centred=cfg.zero_centred_norms
@@ -272,10 +278,10 @@ class Qwen35ForCausalLM(nnx.Module):
         return out[0] if len(out) == 1 else tuple(out)
 
     @staticmethod
-    def _next_cache(cache: Qwen35Cache, per_period_arrays, segment_ids) -> Qwen35Cache:
-        k, v, conv, rec = (a.reshape(-1, *a.shape[2:]) for a in per_period_arrays)
+    def _next_cache(cache: Qwen35Cache, k, v, conv, rec, segment_ids) -> Qwen35Cache:
+        """``k``, ``v``: the new per-layer K/V arrays; ``conv``, ``rec``: the new stacked states."""
         n_new = (segment_ids > 0).sum(-1).astype(cache.lengths.dtype)
-        return Qwen35Cache(lengths=cache.lengths + n_new, k=k, v=v, conv=conv, recurrent=rec)
+        return Qwen35Cache(lengths=cache.lengths + n_new, k=tuple(k), v=tuple(v), conv=conv, recurrent=rec)
 
     def unstack_periods(self) -> tuple:
         """The block stack's state as one ``nnx.State`` per layer period (copies; ``hidden_states``'
