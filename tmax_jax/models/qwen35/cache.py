@@ -89,7 +89,9 @@ class Qwen35Cache:
         calls that use it; write the result back with :meth:`widen_into`."""
         if not self.k or length >= self.max_len:
             return self
-        return self.replace(k=tuple(a[:, :, :length] for a in self.k), v=tuple(a[:, :, :length] for a in self.v))
+        return self.replace(
+            k=tuple(a[:, :, :length] for a in self.k), v=tuple(a[:, :, :length] for a in self.v)
+        )
 
     def widen_into(self, full: Qwen35Cache) -> Qwen35Cache:
         """This (narrowed) cache written into ``full``'s KV arrays; the other leaves are this one's."""
