@@ -80,7 +80,7 @@ def test_prefill_then_decode_equals_full_forward_with_different_row_lengths(mode
             np.asarray(logits)[:, 0], ref[np.arange(2), lens + s], atol=2e-5, rtol=1e-4
         )
     np.testing.assert_array_equal(np.asarray(cache.lengths), lens + steps)
-    assert cache.recurrent.dtype == jnp.float32
+    assert all(a.dtype == jnp.float32 for a in cache.recurrent)
 
 
 def test_multi_turn_prefill_on_top_of_a_cache_then_decode(model, pure):
@@ -119,9 +119,9 @@ def test_right_padding_leaves_the_cache_exactly_as_the_unpadded_prefill(model, p
         model.init_cache(2, MAX_LEN, dtype=jnp.float32),
     )
     np.testing.assert_allclose(
-        np.asarray(padded.recurrent[:, 1]), np.asarray(unpadded.recurrent[:, 0]), atol=1e-6
+        np.stack(padded.recurrent)[:, 1], np.stack(unpadded.recurrent)[:, 0], atol=1e-6
     )
-    np.testing.assert_allclose(np.asarray(padded.conv[:, 1]), np.asarray(unpadded.conv[:, 0]), atol=1e-6)
+    np.testing.assert_allclose(np.stack(padded.conv)[:, 1], np.stack(unpadded.conv)[:, 0], atol=1e-6)
     np.testing.assert_allclose(
         np.stack(padded.k)[:, 1, :, :50], np.stack(unpadded.k)[:, 0, :, :50], atol=1e-6
     )
@@ -188,22 +188,27 @@ def test_cache_layout_reset_rows_and_pytree(model):
     assert len(cache.k) == len(cache.v) == cfg.num_full_layers
     for a in cache.k + cache.v:
         assert a.shape == (3, cfg.num_key_value_heads, 32, cfg.head_dim) and a.dtype == jnp.bfloat16
-    assert cache.conv.shape == (cfg.num_linear_layers, 3, cfg.linear_conv_kernel_dim, cfg.conv_dim)
-    assert cache.recurrent.shape[1:] == (3, cfg.linear_num_value_heads, cfg.linear_key_head_dim, 16)
-    assert cache.recurrent.dtype == jnp.float32
+    assert len(cache.conv) == len(cache.recurrent) == cfg.num_linear_layers
+    for a in cache.conv:
+        assert a.shape == (3, cfg.linear_conv_kernel_dim, cfg.conv_dim) and a.dtype == jnp.bfloat16
+    for a in cache.recurrent:  # the delta-rule state stays float32 whatever the cache dtype
+        assert (
+            a.shape == (3, cfg.linear_num_value_heads, cfg.linear_key_head_dim, 16) and a.dtype == jnp.float32
+        )
     assert cache.max_len == 32
     filled = dataclasses.replace(
         cache,
         lengths=jnp.array([5, 6, 7], jnp.int32),
         k=tuple(jnp.ones_like(a) for a in cache.k),
-        recurrent=jnp.ones_like(cache.recurrent),
+        recurrent=tuple(jnp.ones_like(a) for a in cache.recurrent),
     )
     reset = jax.jit(lambda c, r: c.reset_rows(r))(filled, jnp.array([False, True, False]))
     np.testing.assert_array_equal(np.asarray(reset.lengths), [5, 0, 7])
     k = np.stack(reset.k).astype(np.float32)
     assert not k[:, 1].any() and k[:, 0].all() and k[:, 2].all()
-    assert not np.asarray(reset.recurrent[:, 1]).any() and np.asarray(reset.recurrent[:, 2]).all()
-    assert len(jax.tree.leaves(cache)) == 3 + 2 * cfg.num_full_layers
+    rec = np.stack(reset.recurrent)
+    assert not rec[:, 1].any() and rec[:, 0].all() and rec[:, 2].all()
+    assert len(jax.tree.leaves(cache)) == 1 + 2 * cfg.num_full_layers + 2 * cfg.num_linear_layers
     # narrow / widen_into: attention reads a prefix of every layer's keys, written back in place.
     small = filled.narrow(16)
     assert all(a.shape[2] == 16 for a in small.k + small.v) and small.max_len == 16

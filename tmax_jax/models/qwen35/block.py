@@ -185,20 +185,15 @@ class PatternBlock(nnx.Module):
         )
 
     def decode(self, x, ctx, caches, first, *, replay=None, collect=()):
-        """(output, new caches, new conv states, aux) with ``caches`` = (k, v, conv, recurrent) of
-        *every* layer (``Qwen35Cache``'s arrays: lists of per-layer K/V, stacked DeltaNet states) and
-        ``first`` = (the index of this period's first attention layer, of its first DeltaNet layer) in
-        them. Attention layers write their new keys and values into their own buffers, DeltaNet layers
-        their recurrent state into the stacked array, in place (no per-period slices stacked and
-        written back). The new conv states come back one per DeltaNet
-        layer, for the caller to stack once every layer has read the old ones: XLA fuses the read of
-        a layer's old conv rows into many of its consumers, and an in-place write before the last of
-        them would make it copy the whole array at every layer."""
+        """(output, new caches, aux) with ``caches`` = (k, v, conv, recurrent): lists of *every*
+        layer's arrays (``Qwen35Cache``'s), and ``first`` = (the index of this period's first
+        attention layer, of its first DeltaNet layer) in them. Each layer reads its own buffers and
+        its new ones replace them in the lists (in place under jit: no stacked array is sliced or
+        written back)."""
         collect = tuple(collect)
-        k, v, conv, rec = caches
-        k, v = list(k), list(v)
+        k, v, conv, rec = (list(c) for c in caches)
         fa, la = first
-        auxes, convs = [], []
+        auxes = []
         for i, (kind, layer) in enumerate(zip(self.pattern, self.layers)):
             rp = None if replay is None else replay[i]
             if kind == FULL:
@@ -206,11 +201,10 @@ class PatternBlock(nnx.Module):
                 fa += 1
             else:
                 x, (c, r), aux = layer(x, ctx, (conv[la], rec[la]), rp)
-                convs.append(c.astype(conv.dtype))
-                rec = rec.at[la].set(r.astype(rec.dtype))
+                conv[la], rec[la] = c.astype(conv[la].dtype), r.astype(rec[la].dtype)
                 la += 1
             auxes.append({name: aux[name] for name in collect})
-        return x, (k, v, conv, rec), convs, _stack_aux(auxes, collect)
+        return x, (k, v, conv, rec), _stack_aux(auxes, collect)
 
 
 def _stack_aux(auxes, collect):

@@ -1,10 +1,9 @@
 """Decode cache for Qwen 3.5: KV for the full-attention layers, conv + recurrent state for Gated DeltaNet.
 
-Keys and values are one array per attention layer, so that a decode step reads and writes each
-layer's buffer in place: a slice of a layer-stacked array is a copy on XLA's CPU backend, of the
-whole cache at every decode step (at 4,096 cached keys, a third of the step). The DeltaNet states are
-layer-stacked (leading axis = the n-th DeltaNet layer, in model order; they are small and each step
-rewrites them anyway). The batch (slot) axis is axis 0 of every K/V array and axis 1 of the stacked ones.
+One array per layer for every kind of state, so that a decode step reads and writes each layer's
+buffers in place: a slice of a layer-stacked array is a copy on XLA's CPU backend (at 4,096 cached
+keys the K/V slices were a third of the step), and writing it back another. The batch (slot) axis is
+axis 0 of every array. ``stacked()`` gives the layer-stacked form (copies) for loops over periods.
 """
 
 from __future__ import annotations
@@ -25,28 +24,26 @@ class Qwen35Cache:
     # (a [.., max_len, heads, ..] layout costs a transposed copy of every layer's cache per step).
     k: tuple[jax.Array, ...]  # per attention layer: [B, num_kv_heads, max_len, head_dim] (cache dtype)
     v: tuple[jax.Array, ...]  # per attention layer: [B, num_kv_heads, max_len, head_dim] (cache dtype)
-    conv: jax.Array  # [num_linear_layers, B, K, conv_dim] (cache dtype): last K inputs of the conv
-    recurrent: jax.Array  # [num_linear_layers, B, Hv, dk, dv] float32
+    conv: tuple[jax.Array, ...]  # per DeltaNet layer: [B, K, conv_dim] (cache dtype), its last K inputs
+    recurrent: tuple[jax.Array, ...]  # per DeltaNet layer: [B, Hv, dk, dv] float32
 
     @classmethod
     def create(cls, cfg: Qwen35Config, batch_size: int, max_len: int, dtype=jnp.bfloat16) -> Qwen35Cache:
         La, Ll = cfg.num_full_layers, cfg.num_linear_layers
         kv_shape = (batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        conv_shape = (batch_size, cfg.linear_conv_kernel_dim, cfg.conv_dim)
+        rec_shape = (
+            batch_size,
+            cfg.linear_num_value_heads,
+            cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim,
+        )
         return cls(
             lengths=jnp.zeros((batch_size,), jnp.int32),
             k=tuple(jnp.zeros(kv_shape, dtype) for _ in range(La)),
             v=tuple(jnp.zeros(kv_shape, dtype) for _ in range(La)),
-            conv=jnp.zeros((Ll, batch_size, cfg.linear_conv_kernel_dim, cfg.conv_dim), dtype),
-            recurrent=jnp.zeros(
-                (
-                    Ll,
-                    batch_size,
-                    cfg.linear_num_value_heads,
-                    cfg.linear_key_head_dim,
-                    cfg.linear_value_head_dim,
-                ),
-                jnp.float32,
-            ),
+            conv=tuple(jnp.zeros(conv_shape, dtype) for _ in range(Ll)),
+            recurrent=tuple(jnp.zeros(rec_shape, jnp.float32) for _ in range(Ll)),
         )
 
     @property
@@ -58,11 +55,13 @@ class Qwen35Cache:
         """KV positions per row (None without attention layers: nothing to narrow)."""
         return self.k[0].shape[2] if self.k else None
 
-    def stacked_kv(self) -> tuple[jax.Array, jax.Array]:
-        """(k, v) stacked over the attention layers: ``[num_full_layers, B, G, max_len, E]`` (copies)."""
-        if not self.k:
-            return (jnp.zeros((0, self.batch_size, 0, 0, 0)),) * 2
-        return jnp.stack(self.k), jnp.stack(self.v)
+    def stacked(self) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """(k, v, conv, recurrent), each stacked over its layers (leading axis; copies)."""
+
+        def stack(arrays):
+            return jnp.stack(arrays) if arrays else jnp.zeros((0, self.batch_size))
+
+        return stack(self.k), stack(self.v), stack(self.conv), stack(self.recurrent)
 
     def replace(self, **changes) -> Qwen35Cache:
         return dataclasses.replace(self, **changes)
@@ -71,14 +70,13 @@ class Qwen35Cache:
         """Empties the rows where ``rows_B`` is True (a slot handed to a new sequence); jit-able."""
         keep = ~rows_B
 
-        def clear(x, axis: int = 1):
-            shape = (1,) * axis + (x.shape[axis],) + (1,) * (x.ndim - axis - 1)
-            return x * keep.reshape(shape).astype(x.dtype)
+        def clear(arrays):
+            return tuple(x * keep.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype) for x in arrays)
 
         return Qwen35Cache(
             lengths=jnp.where(keep, self.lengths, 0),
-            k=tuple(clear(a, 0) for a in self.k),
-            v=tuple(clear(a, 0) for a in self.v),
+            k=clear(self.k),
+            v=clear(self.v),
             conv=clear(self.conv),
             recurrent=clear(self.recurrent),
         )

@@ -493,12 +493,16 @@ def recurrent_gated_delta_rule(
         s0 = initial_state_BxHxKxV.astype(f32)
 
     def step(s, xs):
+        # S' = d S + k (beta (v - k^T d S))^T with d = exp(g), and o = q^T S' = d q^T S + (q.k) delta:
+        # S is read once (one matmul for k^T S and q^T S) and read and written once (the update), not
+        # decayed, read, updated and read again (four passes over the state, which at decode is most
+        # of the rule's memory traffic).
         q_t, k_t, v_t, g_t, b_t = xs  # [B, H, K], [B, H, K], [B, H, V], [B, H], [B, H]
-        s = s * jnp.exp(g_t)[..., None, None]
-        predicted = _mm("bhk,bhkv->bhv", k_t, s)
-        delta = (v_t - predicted) * b_t[..., None]
-        s = s + k_t[..., :, None] * delta[..., None, :]
-        return s, _mm("bhk,bhkv->bhv", q_t, s)
+        decay = jnp.exp(g_t)[..., None]  # [B, H, 1]
+        kq_s = _mm("bhnk,bhkv->bhnv", jnp.stack([k_t, q_t], axis=2), s)  # [B, H, 2, V]
+        delta = (v_t - decay * kq_s[:, :, 0]) * b_t[..., None]
+        s = s * decay[..., None] + k_t[..., :, None] * delta[..., None, :]
+        return s, decay * kq_s[:, :, 1] + jnp.sum(q_t * k_t, axis=-1, keepdims=True) * delta
 
     xs = tuple(
         jnp.moveaxis(x.astype(f32), 1, 0) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH, beta_BxTxH)

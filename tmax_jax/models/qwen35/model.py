@@ -219,15 +219,15 @@ class Qwen35ForCausalLM(nnx.Module):
             )
             new_cache = None
         elif periods is not None:
-            # Static indices: each period reads its own weight buffers, every attention layer its own
-            # K/V buffers, and every DeltaNet layer updates its slice of the stacked states in place.
-            full = (list(cache.k), list(cache.v), cache.conv, cache.recurrent)
+            # Static indices: each period reads its own weight buffers and every layer its own cache
+            # buffers, which it updates in place.
+            full = (list(cache.k), list(cache.v), list(cache.conv), list(cache.recurrent))
             n_full = cfg.num_full_layers // G
             n_lin = cfg.num_linear_layers // G
-            auxes, convs = [], []
+            auxes = []
             for g in range(G):
                 block = nnx.merge(graphdef, periods[g])
-                x_BxTxD, full, conv_g, aux_g = block.decode(
+                x_BxTxD, full, aux_g = block.decode(
                     x_BxTxD,
                     ctx,
                     full,
@@ -236,18 +236,15 @@ class Qwen35ForCausalLM(nnx.Module):
                     collect=collect,
                 )
                 auxes.append(aux_g)
-                convs += conv_g
             aux = jax.tree.map(lambda *xs: jnp.stack(xs), *auxes)
-            if convs:
-                full = (*full[:2], jnp.stack(convs), full[3])
             new_cache = self._next_cache(cache, *full, segment_ids)
         else:
             # The whole cache rides in the loop's carry and each period writes its slice back in
             # place: as the scan's stacked output it would be a second, cache-sized buffer written in
             # full and copied back at every decode step.
-            # (The per-layer K/V buffers are stacked for the loop and split after it: copies, which the
+            # (The per-layer buffers are stacked for the loop and split after it: copies, which the
             # unrolled form, the engine's default, does not make.)
-            caches = tuple(per_period(a) for a in (*cache.stacked_kv(), cache.conv, cache.recurrent))
+            caches = tuple(per_period(a) for a in cache.stacked())
 
             def period_in_place(carry, xs):
                 x, full = carry
@@ -262,11 +259,14 @@ class Qwen35ForCausalLM(nnx.Module):
             (x_BxTxD, new), aux = jax.lax.scan(
                 period_in_place, (x_BxTxD, caches), (block_state, routing, jnp.arange(G))
             )
-            k, v, conv, rec = (a.reshape(-1, *a.shape[2:]) for a in new)
-            La = len(cache.k)
-            new_cache = self._next_cache(
-                cache, [k[i] for i in range(La)], [v[i] for i in range(La)], conv, rec, segment_ids
-            )
+            per_layer = [
+                [a[i] for i in range(len(old))]
+                for a, old in zip(
+                    (a.reshape(-1, *a.shape[2:]) for a in new),
+                    (cache.k, cache.v, cache.conv, cache.recurrent),
+                )
+            ]
+            new_cache = self._next_cache(cache, *per_layer, segment_ids)
 
         hidden_BxTxD = rms_norm(
             x_BxTxD, self.norm[...], cfg.rms_norm_eps, zero_centred=cfg.zero_centred_norms
@@ -279,9 +279,11 @@ class Qwen35ForCausalLM(nnx.Module):
 
     @staticmethod
     def _next_cache(cache: Qwen35Cache, k, v, conv, rec, segment_ids) -> Qwen35Cache:
-        """``k``, ``v``: the new per-layer K/V arrays; ``conv``, ``rec``: the new stacked states."""
+        """``k``, ``v``, ``conv``, ``rec``: the new per-layer arrays."""
         n_new = (segment_ids > 0).sum(-1).astype(cache.lengths.dtype)
-        return Qwen35Cache(lengths=cache.lengths + n_new, k=tuple(k), v=tuple(v), conv=conv, recurrent=rec)
+        return Qwen35Cache(
+            lengths=cache.lengths + n_new, k=tuple(k), v=tuple(v), conv=tuple(conv), recurrent=tuple(rec)
+        )
 
     def unstack_periods(self) -> tuple:
         """The block stack's state as one ``nnx.State`` per layer period (copies; ``hidden_states``'
