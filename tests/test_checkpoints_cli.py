@@ -61,3 +61,27 @@ def test_generate_command_prints_the_decoded_completion(tiny_dir, capsys):
     assert capsys.readouterr().out == expected + "\n"
     assert main(["generate", "--checkpoint", str(tiny_dir / "nope"), "--prompt", "x"]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_generate_command_keeps_its_compiled_programs_for_the_next_run(tiny_dir, tmp_path):
+    """``tmax-jax generate`` writes the engine's prefill and decode programs to the persistent
+    compilation cache, and a second run (a new process, reading them back) prints the same completion."""
+    import os
+    import subprocess
+    import sys
+
+    cache = tmp_path / "xla_cache"
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PLATFORMS="cpu")
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # every program, however fast it compiles
+    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's run
+    argv = [sys.executable, "-m", "tmax_jax", "generate", "--checkpoint", str(tiny_dir)]
+    argv += ["--prompt", "ls -la", "--raw", "--max-new-tokens", "6"]
+    first = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    entries = sorted(p.name for p in cache.iterdir() if not p.name.startswith("."))
+    assert entries, "the engine's compiled programs were not written to the cache"
+    second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert second.stdout == first.stdout
+    names = {e.split("-")[0] for e in entries}
+    assert {"jit__prefill_fresh_impl", "jit__generate_block_impl"} <= names, names

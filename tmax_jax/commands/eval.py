@@ -161,7 +161,9 @@ def run(args: argparse.Namespace) -> int:
     from tmax_jax.eval.runner import EvalConfig, evaluate
     from tmax_jax.eval.summary import harness_matrix
     from tmax_jax.sandbox.config import SandboxConfig
+    from tmax_jax.train.setup import enable_compilation_cache
 
+    enable_compilation_cache(min_compile_secs=1.0)  # a model agent's engine programs, for the next run
     cfg = EvalConfig(
         k=args.k, concurrency=args.concurrency, network=args.network, retry_errors=args.retry_errors
     )

@@ -31,7 +31,11 @@ def run(args: argparse.Namespace) -> int:
     from tmax_jax.engine import generate
     from tmax_jax.errors import CheckpointError
     from tmax_jax.tokenizer import load_tokenizer
+    from tmax_jax.train.setup import enable_compilation_cache
 
+    # The engine's prefill and decode programs compile in seconds each (minutes for large models on
+    # an accelerator): a second run with the same shapes loads them from disk.
+    enable_compilation_cache(min_compile_secs=1.0)
     ckpt = Path(args.checkpoint)
     if not ckpt.is_dir():
         raise CheckpointError(f"--checkpoint {ckpt}: not a directory")
