@@ -330,3 +330,26 @@ def test_batched_first_tokens_equal_one_request_at_a_time(engine):
     np.testing.assert_array_equal(
         jax.random.key_data(state.key[:3]), np.concatenate([np.asarray(p.key) for p in alone])
     )
+
+
+@pytest.mark.parametrize("unroll", [True, False])
+def test_update_params_with_copy_owns_every_buffer(model, unroll):
+    """``update_params(state, copy=True)``: the engine's weights share no buffer with ``state`` (which
+    the caller may then donate) and hold its values, unrolled into periods or not."""
+    eng = Engine(
+        model, max_concurrent_decodes=2, max_cache_length=32, max_prefill_length=16, unroll_periods=unroll
+    )
+    state = jax.tree.map(lambda a: a + 1, nnx.state(model))  # new values, buffers of the caller's
+    assert eng.update_params(state, copy=True) == 1
+    ours = {a.unsafe_buffer_pointer() for a in jax.tree.leaves(state)}
+    assert ours.isdisjoint(a.unsafe_buffer_pointer() for a in jax.tree.leaves(eng.params))
+    held = eng.params
+    if unroll:
+        assert isinstance(held, PeriodParams)
+        stacked = jax.tree.map(lambda *a: jnp.stack(a), *held.periods)
+        held = nnx.State(dict(held.rest)) | nnx.State({"blocks": stacked})
+    want = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(state)}
+    got = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(held)}
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)

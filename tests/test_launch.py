@@ -226,6 +226,49 @@ def test_learner_engine_copy_is_one_queued_program(serial_on, launch_guard, trai
         np.testing.assert_array_equal(got[k], before[k], err_msg=k)
 
 
+def test_learner_push_is_the_engines_one_copy(serial_on, launch_guard, train_step, tmp_path):
+    """The learner hands the train state's weights to the engine, which copies them itself in one
+    queued program (split into periods): no buffer shared with the state, and still the pushed
+    weights after the next step donates the state."""
+    state = train_step.init_state(_fresh_params())
+    learner = Learner(TrainConfig(), train_step, None, state, start_step=0, run_dir=tmp_path)
+    engine = Engine(
+        learner.engine_model(), max_concurrent_decodes=2, max_cache_length=64, max_prefill_length=16
+    )
+    learner.connect(engine)
+    learner.push(1)  # compile outside the count
+    before = params_np(learner.state)
+    launch_guard.checking, launch_guard.launches, launch_guard.bypasses = True, 0, []
+    try:
+        learner.push(2)
+    finally:
+        launch_guard.checking = False
+    assert launch_guard.launches == 1 and launch_guard.bypasses == [], launch_guard.__dict__
+    assert engine.version == 2
+    mine = {
+        s.data.unsafe_buffer_pointer()
+        for a in jax.tree.leaves(learner.state.params)
+        for s in a.addressable_shards
+    }
+    theirs = {
+        s.data.unsafe_buffer_pointer() for a in jax.tree.leaves(engine.params) for s in a.addressable_shards
+    }
+    assert mine.isdisjoint(theirs)
+    learner.state, _ = train_step(learner.state, train_step.put_batch(on_policy_batch(seed=2)))
+    after = params_np(learner.state)
+    assert any(not np.array_equal(after[k], before[k]) for k in before)  # the step moved the params
+    # The engine's weights, stacked back over periods, are the pushed ones.
+    p = engine.params
+    rest = {"/".join(map(str, k)): np.asarray(x) for k, x in jax.tree_util.tree_leaves_with_path(p.rest)}
+    blocks = jax.tree.map(lambda *a: np.stack([np.asarray(x) for x in a]), *p.periods)
+    got = rest | {
+        "['blocks']/" + "/".join(map(str, k)): x for k, x in jax.tree_util.tree_leaves_with_path(blocks)
+    }
+    assert sorted(got) == sorted(before)
+    for k in before:
+        np.testing.assert_array_equal(got[k], before[k], err_msg=k)
+
+
 def test_generation_during_training_matches_sequential(serial_on, sharded_engine, train_step):
     batch = on_policy_batch(seed=3)
     reqs = [

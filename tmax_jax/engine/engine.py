@@ -205,6 +205,8 @@ class Engine(EngineAPI):
         self._unroll = bool(unroll_periods) and hasattr(model, "unstack_periods") and "blocks" in state
         self._num_periods = model.config.num_groups if self._unroll else 0
         self._unstack_jit = launch.jit(self._unstack_impl)
+        self._own_periods_jit = launch.jit(self._own_periods_impl)
+        self._copy_jit = launch.jit(lambda tree: jax.tree.map(jnp.copy, tree))
         self._params = self._engine_params(state)
         self._version = 0
         self._lock = threading.Lock()
@@ -307,11 +309,16 @@ class Engine(EngineAPI):
     def load_params(self, *args, **kwargs) -> Any:
         return self._params
 
-    def update_params(self, new_params: Any, version: int | None = None) -> int:
+    def update_params(self, new_params: Any, version: int | None = None, *, copy: bool = False) -> int:
         """Swap in new weights (an nnx model or its ``nnx.state``) of identical structure and shapes.
 
         The jitted prefill/generate take parameters as arguments, so this never recompiles. Returns
         the new policy version (``version`` if given, else the previous one + 1).
+
+        ``copy``: the engine keeps weights in buffers of its own, made by one program, so the caller
+        may donate or overwrite ``new_params`` afterwards (a train step's state). Splitting the block
+        stack into periods is itself that copy for the blocks, so the caller needs none of its own
+        (which would be a second full copy of the weights alive during the swap).
         """
         if isinstance(new_params, nnx.Module):
             new_params = nnx.state(new_params)
@@ -330,22 +337,29 @@ class Engine(EngineAPI):
                     f"update_params: {jax.tree_util.keystr(path_leaf[0])} is {b.shape} {b.dtype}, "
                     f"expected {a.shape} {a.dtype}"
                 )
-        new_params = self._engine_params(new_params)
+        new_params = self._engine_params(new_params, copy=copy)
         with self._lock:
             self._params = new_params
             self._version = self._version + 1 if version is None else int(version)
             self._prompt_cache.clear()  # prefilled with the old weights
             return self._version
 
-    def _engine_params(self, state: Any) -> Any:
-        """The model's state in the engine's form (``PeriodParams`` when unrolling periods)."""
+    def _engine_params(self, state: Any, copy: bool = False) -> Any:
+        """The model's state in the engine's form (``PeriodParams`` when unrolling periods); with
+        ``copy``, every leaf in a new buffer (one program)."""
         if not self._unroll or isinstance(state, PeriodParams):
-            return state
+            return self._copy_jit(state) if copy else state
+        if copy:
+            return self._own_periods_jit(state)
         rest = nnx.State({k: v for k, v in state.items() if k != "blocks"})
         return PeriodParams(rest=rest, periods=self._unstack_jit(state["blocks"]))
 
     def _unstack_impl(self, blocks):
         return tuple(jax.tree.map(lambda a, g=g: a[g], blocks) for g in range(self._num_periods))
+
+    def _own_periods_impl(self, state):
+        rest = jax.tree.map(jnp.copy, nnx.State({k: v for k, v in state.items() if k != "blocks"}))
+        return PeriodParams(rest=rest, periods=self._unstack_impl(state["blocks"]))
 
     def _merge(self, params: Any) -> tuple[Any, tuple | None]:
         """(model, per-period block states or None) from the engine's form of the weights."""

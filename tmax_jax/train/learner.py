@@ -66,13 +66,24 @@ class Learner:
         self.engine = engine
         engine.update_params(engine.params, version=self.start_step)
 
+    def push(self, version: int) -> None:
+        """Give the engine the current weights as policy ``version`` (returns once it holds them)."""
+        if self.replicas is None:
+            # The engine copies them itself, in one program (its split into periods is the copy):
+            # no full copy of ours alive beside it. Waited for: the next step donates these buffers.
+            state = nnx.state(nnx.merge(self.train_step.graphdef, self.state.params, self.train_step.rest))
+            self.engine.update_params(state, version=version, copy=True)
+            jax.block_until_ready(self.engine.params)
+        else:  # each process's full copy (a collective), already buffers of its own
+            self.engine.update_params(jax.block_until_ready(self.engine_params()), version=version)
+
     # ------------------------------------------------------------------ one step
     def step(self, batch: RolloutBatch, step: int) -> dict:
         """Train on ``batch`` as step ``step`` and push the weights of step ``step + 1`` to the engine."""
         t0 = time.monotonic()
         metrics = self.train_on(batch, step)
         t_sync = time.monotonic()
-        self.engine.update_params(jax.block_until_ready(self.engine_params()), version=step + 1)
+        self.push(step + 1)
         metrics.update(
             train_s=time.monotonic() - t0,
             weight_sync_s=time.monotonic()
