@@ -109,6 +109,11 @@ class PeriodParams(struct.PyTreeNode):
     periods: tuple
 
 
+def _rest(state: Any) -> nnx.State:
+    """The model's state without its block stack (``PeriodParams.rest``)."""
+    return nnx.State({k: v for k, v in state.items() if k != "blocks"})
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n - 1).bit_length())
 
@@ -351,15 +356,15 @@ class Engine(EngineAPI):
             return self._copy_jit(state) if copy else state
         if copy:
             return self._own_periods_jit(state)
-        rest = nnx.State({k: v for k, v in state.items() if k != "blocks"})
-        return PeriodParams(rest=rest, periods=self._unstack_jit(state["blocks"]))
+        return PeriodParams(rest=_rest(state), periods=self._unstack_jit(state["blocks"]))
 
     def _unstack_impl(self, blocks):
         return tuple(jax.tree.map(lambda a, g=g: a[g], blocks) for g in range(self._num_periods))
 
     def _own_periods_impl(self, state):
-        rest = jax.tree.map(jnp.copy, nnx.State({k: v for k, v in state.items() if k != "blocks"}))
-        return PeriodParams(rest=rest, periods=self._unstack_impl(state["blocks"]))
+        return PeriodParams(
+            rest=jax.tree.map(jnp.copy, _rest(state)), periods=self._unstack_impl(state["blocks"])
+        )
 
     def _merge(self, params: Any) -> tuple[Any, tuple | None]:
         """(model, per-period block states or None) from the engine's form of the weights."""

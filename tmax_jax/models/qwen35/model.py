@@ -259,13 +259,8 @@ class Qwen35ForCausalLM(nnx.Module):
             (x_BxTxD, new), aux = jax.lax.scan(
                 period_in_place, (x_BxTxD, caches), (block_state, routing, jnp.arange(G))
             )
-            per_layer = [
-                [a[i] for i in range(len(old))]
-                for a, old in zip(
-                    (a.reshape(-1, *a.shape[2:]) for a in new),
-                    (cache.k, cache.v, cache.conv, cache.recurrent),
-                )
-            ]
+            # [G, per period, ...] -> one array per layer, in model order.
+            per_layer = [list(a.reshape(-1, *a.shape[2:])) for a in new]
             new_cache = self._next_cache(cache, *per_layer, segment_ids)
 
         hidden_BxTxD = rms_norm(
