@@ -15,6 +15,8 @@ rematerialised: forward and backward each hold one [B, chunk, V] buffer.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -250,17 +252,48 @@ def token_logprobs_plain(hidden_BxTxD, lm_head_DxV, targets_BxT, *, temperature=
 
 
 def token_logprobs(
-    hidden_BxTxD, lm_head_DxV, targets_BxT, *, temperature=1.0, top_k=0, top_p=1.0, chunk_size=1024
+    hidden_BxTxD,
+    lm_head_DxV,
+    targets_BxT,
+    *,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    chunk_size=1024,
+    mask_BxT=None,
+    head_vd=False,
 ):
     """float32 [B, T]: ``logprobs_from_logits(hidden @ lm_head, targets, ...)``, chunked over T.
 
     ``targets`` outside [0, V) give garbage, so mask such positions (padding) downstream; the train
     batch's padding uses target 0.
+
+    ``mask_BxT``: where the caller reads the result (the loss's response tokens). Positions outside
+    it get 0.0, and the head runs only on blocks of positions that hold some of it (see
+    ``_masked_token_logprobs``): prompts and tool output cost no [*, V] logits.
+
+    ``head_vd``: ``lm_head_DxV`` is given as ``[V, D]`` (a tied embedding as stored), so no
+    transposed copy of it is made.
     """
-    _check(hidden_BxTxD, lm_head_DxV, targets_BxT, temperature)
+    head_DxV = lm_head_DxV.T if head_vd else lm_head_DxV
+    _check(hidden_BxTxD, head_DxV, targets_BxT, temperature)
     if chunk_size <= 0:
         raise LogprobInputError(f"chunk_size must be > 0, got {chunk_size}")
     k, p = _truncation(top_k, top_p)
+    if mask_BxT is not None:
+        if mask_BxT.shape != targets_BxT.shape:
+            raise LogprobInputError(f"mask must be [B, T] = {targets_BxT.shape}, got {mask_BxT.shape}")
+        if isinstance(temperature, (int, float)):
+            return _masked_token_logprobs(
+                hidden_BxTxD, lm_head_DxV, targets_BxT, mask_BxT, temperature, k, p, chunk_size, head_vd
+            )
+        # A traced temperature (the masked head's backward needs it static): the whole head.
+        lp_BxT = token_logprobs(
+            hidden_BxTxD, head_DxV, targets_BxT, temperature=temperature, top_k=top_k, top_p=top_p,
+            chunk_size=chunk_size,
+        )  # fmt: skip
+        return jnp.where(mask_BxT > 0, lp_BxT, 0.0)
+    lm_head_DxV = head_DxV
     B, T, D = hidden_BxTxD.shape
 
     def chunk(h_BxCxD, t_BxC):
@@ -285,3 +318,174 @@ def token_logprobs(
 
     _, lp_NxBxC = jax.lax.scan(step, None, (h_NxBxCxD, t_NxBxC))
     return lp_NxBxC.swapaxes(0, 1).reshape(B, n_chunks * chunk_size)[:, :T]
+
+
+# The masked head's blocks when a row is one chunk: up to this many, of at least this many rows
+# (B x block length) each, so the blocks left out save work while each one run stays a large matmul.
+_MAX_HEAD_BLOCKS = 8
+_MIN_HEAD_BLOCK_ROWS = 128
+
+
+@jax.custom_vjp
+def _permute(x_BxTxD, order_BxT, inverse_BxT):
+    """``x[b, order[b, t]]`` for a per-row permutation ``order`` (``inverse`` its inverse). Its
+    gradient is the inverse permutation: a gather, where autodiff of a general gather would emit a
+    scatter-add."""
+    return jnp.take_along_axis(x_BxTxD, order_BxT[..., None], axis=1)
+
+
+def _permute_fwd(x, order, inverse):
+    return _permute(x, order, inverse), (order, inverse)
+
+
+def _permute_bwd(res, g):
+    order, inverse = res
+    return _permute(g, inverse, order), None, None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+def _masked_token_logprobs(
+    hidden_BxTxD, lm_head, targets_BxT, mask_BxT, temperature, k, p, chunk_size, vd=False
+):
+    """``token_logprobs`` where ``mask`` is set, 0.0 elsewhere, with the head only where it is needed.
+
+    Each row's positions are reordered so its masked-in ones come first (a stable sort: their order
+    is kept); the head then runs over blocks of the sorted positions, up to the first block past
+    every row's count of masked-in positions (``_prefix_head``: a loop with that trip count, forward
+    and backward). Each position's logprob is the one ``token_logprobs`` computes for it, read back
+    through the inverse order. Rows stay whole (only T is reordered), so a batch sharded by rows
+    stays so. ``lm_head`` is ``[D, V]``, or ``[V, D]`` with ``vd``: the loops read it as stored."""
+    B, T, D = hidden_BxTxD.shape
+    keep_BxT = mask_BxT > 0
+    order_BxT = jnp.argsort(~keep_BxT, axis=1, stable=True).astype(jnp.int32)
+    inverse_BxT = jnp.argsort(order_BxT, axis=1).astype(jnp.int32)
+    reach = jnp.max(jnp.sum(keep_BxT, axis=1)).astype(jnp.int32)  # sorted [0, reach) holds them all
+    h_BxTxD = _permute(hidden_BxTxD, order_BxT, inverse_BxT)
+    t_BxT = jnp.take_along_axis(targets_BxT, order_BxT, axis=1).astype(jnp.int32)
+    if T <= chunk_size:
+        # One chunk, as in token_logprobs: its probabilities are kept for the backward pass.
+        n = max(1, min(_MAX_HEAD_BLOCKS, (B * T) // _MIN_HEAD_BLOCK_ROWS))
+        size, keep_probs = -(-T // n), True
+    else:
+        size, keep_probs = chunk_size, False  # one [B, chunk, V] block live at a time, recomputed
+    pad = -(-T // size) * size - T
+    h_BxTxD = jnp.pad(h_BxTxD, ((0, 0), (0, pad), (0, 0)))
+    t_BxT = jnp.pad(t_BxT, ((0, 0), (0, pad)))
+    lp_BxT = _prefix_head(h_BxTxD, lm_head, t_BxT, reach, size, float(temperature), k, p, keep_probs, vd)
+    lp_BxT = _permute(lp_BxT[:, :T, None], inverse_BxT, order_BxT)[..., 0]
+    return jnp.where(keep_BxT, lp_BxT, 0.0)
+
+
+def _head(h_BxCxD, w, vd):
+    """``head_logits`` with the head ``[D, V]``, or ``[V, D]`` when ``vd``."""
+    return jnp.einsum(
+        "bcd,vd->bcv" if vd else "bcd,dv->bcv",
+        h_BxCxD.astype(jnp.float32),
+        w.astype(jnp.float32),
+        precision=head_precision(),
+        preferred_element_type=jnp.float32,
+    )
+
+
+def _head_block(h_BxCxD, w, t_BxC, temperature, k, p, vd):
+    """(floored logprob, raw logprob, log-sum-exp, sampling logits) of one block of positions."""
+    kept_BxCxV = sampling_logits(_head(h_BxCxD, w, vd), temperature, k, p)
+    lse_BxC = jax.nn.logsumexp(kept_BxCxV, axis=-1)
+    raw_BxC = jnp.take_along_axis(kept_BxCxV, t_BxC[..., None], axis=-1)[..., 0] - lse_BxC
+    floored = raw_BxC if k is None and p is None else jnp.maximum(raw_BxC, TRUNCATED_LOGPROB_FLOOR)
+    return floored, raw_BxC, lse_BxC, kept_BxCxV
+
+
+def _prefix_forward(h_BxTxD, w, t_BxT, reach, size, temperature, k, p, keep_probs, vd):
+    B, T, _ = h_BxTxD.shape
+    V = w.shape[0 if vd else 1]
+    blocks = (reach + size - 1) // size
+    bufs = (jnp.zeros((B, T), jnp.float32), jnp.zeros((B, T), jnp.float32), jnp.zeros((B, T), jnp.float32))
+    if keep_probs:
+        bufs += (jnp.zeros((B, T, V), jnp.float32),)
+
+    def body(i, bufs):
+        at = i * size
+        h = jax.lax.dynamic_slice_in_dim(h_BxTxD, at, size, axis=1)
+        t = jax.lax.dynamic_slice_in_dim(t_BxT, at, size, axis=1)
+        lp, raw, lse, kept = _head_block(h, w, t, temperature, k, p, vd)
+        outs = (lp, raw, lse) + ((jnp.exp(kept - lse[..., None]),) if keep_probs else ())
+        return tuple(jax.lax.dynamic_update_slice_in_dim(b, o, at, axis=1) for b, o in zip(bufs, outs))
+
+    return jax.lax.fori_loop(0, blocks, body, bufs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _prefix_head(h_BxTxD, w, t_BxT, reach, size, temperature, k, p, keep_probs, vd):
+    """float32 [B, T] logprobs of the first ``ceil(reach / size)`` blocks of ``size`` positions (zeros
+    after), with its own backward pass over the same blocks: no [B, T, V] work past ``reach``."""
+    return _prefix_forward(h_BxTxD, w, t_BxT, reach, size, temperature, k, p, False, vd)[0]
+
+
+def _prefix_head_fwd(h_BxTxD, w, t_BxT, reach, size, temperature, k, p, keep_probs, vd):
+    lp, raw, lse, *probs = _prefix_forward(h_BxTxD, w, t_BxT, reach, size, temperature, k, p, keep_probs, vd)
+    return lp, (h_BxTxD, w, t_BxT, reach, raw, lse, tuple(probs))
+
+
+def _prefix_head_bwd(size, temperature, k, p, keep_probs, vd, res, g_BxT):
+    """d lp / d logits = (onehot(target) - softmax(sampling logits)) / T over the kept support (the
+    truncation threshold is a comparison: no gradient), zero where the floor clipped the logprob."""
+    h_BxTxD, w, t_BxT, reach, raw_BxT, lse_BxT, probs = res
+    inv_t = 1.0 if temperature <= GREEDY_EPS else 1.0 / temperature
+    truncating = not (k is None and p is None)
+    coef_BxT = g_BxT.astype(jnp.float32) * inv_t
+    if truncating:
+        coef_BxT = jnp.where(raw_BxT > TRUNCATED_LOGPROB_FLOOR, coef_BxT, 0.0)
+    w32 = w.astype(jnp.float32)
+    blocks = (reach + size - 1) // size
+
+    def block_grad(i):  # (block start, its hidden states, d loss / d logits of the block)
+        at = i * size
+        h = jax.lax.dynamic_slice_in_dim(h_BxTxD, at, size, axis=1)
+        t = jax.lax.dynamic_slice_in_dim(t_BxT, at, size, axis=1)
+        coef = jax.lax.dynamic_slice_in_dim(coef_BxT, at, size, axis=1)
+        if keep_probs:
+            p_BxCxV = jax.lax.dynamic_slice_in_dim(probs[0], at, size, axis=1)
+        else:
+            lse = jax.lax.dynamic_slice_in_dim(lse_BxT, at, size, axis=1)
+            kept = sampling_logits(_head(h, w, vd), temperature, k, p)
+            p_BxCxV = jnp.exp(kept - lse[..., None])
+        hit = jax.lax.broadcasted_iota(jnp.int32, p_BxCxV.shape, 2) == t[..., None]
+        return at, h, coef[..., None] * (hit.astype(jnp.float32) - p_BxCxV)
+
+    def d_hidden(at, d_BxCxV, dh_BxTxD):
+        dh = jnp.einsum("bcv,vd->bcd" if vd else "bcv,dv->bcd", d_BxCxV, w32, precision=head_precision())
+        return jax.lax.dynamic_update_slice_in_dim(dh_BxTxD, dh.astype(dh_BxTxD.dtype), at, axis=1)
+
+    def d_head(h, d_BxCxV, dw):
+        spec = "bcd,bcv->vd" if vd else "bcd,bcv->dv"
+        return dw + jnp.einsum(spec, h.astype(jnp.float32), d_BxCxV, precision=head_precision())
+
+    dh0 = jnp.zeros(h_BxTxD.shape, h_BxTxD.dtype)
+    dw0 = jnp.zeros(w.shape, jnp.float32)
+    if keep_probs:
+        # Two loops over the kept probabilities: the layers' backward waits only for the first (the
+        # hidden states' gradient) and runs beside the second (the head's).
+        def hidden_body(i, dh):
+            at, _, d = block_grad(i)
+            return d_hidden(at, d, dh)
+
+        def head_body(i, dw):
+            _, h, d = block_grad(i)
+            return d_head(h, d, dw)
+
+        dh_BxTxD = jax.lax.fori_loop(0, blocks, hidden_body, dh0)
+        dw_DxV = jax.lax.fori_loop(0, blocks, head_body, dw0)
+    else:  # recomputed logits: one loop, both gradients from each block's one recompute
+
+        def body(i, carry):
+            at, h, d = block_grad(i)
+            return d_hidden(at, d, carry[0]), d_head(h, d, carry[1])
+
+        dh_BxTxD, dw_DxV = jax.lax.fori_loop(0, blocks, body, (dh0, dw0))
+    return dh_BxTxD, dw_DxV.astype(w.dtype), None, None
+
+
+_prefix_head.defvjp(_prefix_head_fwd, _prefix_head_bwd)

@@ -274,15 +274,21 @@ def batch_loss(
         hidden_BxTxD = model.hidden_states(mb["input_ids"], **kw)
     if hidden_sharding is not None:
         hidden_BxTxD = jax.lax.with_sharding_constraint(hidden_BxTxD, hidden_sharding)
+    head, head_vd = model.lm_head_stored()
     logprobs_BxT = token_logprobs(
         hidden_BxTxD,
-        model.lm_head_weight(),
+        head,
         mb["targets"],
         temperature=loss_cfg.temperature,
         top_k=loss_cfg.top_k,
         top_p=loss_cfg.top_p,
         chunk_size=loss_cfg.logprob_chunk,
+        mask_BxT=mb["response_mask"],
+        head_vd=head_vd,
     )
+    # The head ran on response tokens only; elsewhere the loss reads the rollout's own logprob
+    # (ratio 1), never a placeholder that could overflow exp() in masked-out sums.
+    logprobs_BxT = jnp.where(mb["response_mask"] > 0, logprobs_BxT, mb["rollout_logprobs"])
     loss_sum, stats = loss_terms(
         loss_cfg,
         logprobs_BxT,

@@ -94,6 +94,14 @@ class Qwen35ForCausalLM(nnx.Module):
             return self.embed_tokens[...].T
         return self.lm_head[...]
 
+    def lm_head_stored(self) -> tuple[jax.Array, bool]:
+        """(the head as stored, whether that is ``[V, D]``): the tied embedding is, an own head
+        ``[D, V]``. For code that reads the head inside a loop, where a transposed view would be
+        copied out first."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens[...], True
+        return self.lm_head[...], False
+
     def __call__(self, input_ids, *, positions=None, segment_ids=None, cache: Qwen35Cache | None = None):
         out = self.hidden_states(input_ids, positions=positions, segment_ids=segment_ids, cache=cache)
         hidden_BxTxD, new_cache = out if cache is not None else (out, None)
