@@ -1,7 +1,7 @@
 """One part of the accelerator check (``benchmarks/device_check.sh`` runs every part, each in its own
 process under its own time limit, so a crash, an out-of-memory or a hang costs only that part).
 
-    python benchmarks/device_check.py --part check            # Pallas kernels vs the JAX path: values, grads
+    python benchmarks/device_check.py --part check            # masked head, Pallas kernels vs the JAX path
     python benchmarks/device_check.py --part kernel           # delta-rule ms, tokens/s, TFLOP/s, temporaries
     python benchmarks/device_check.py --part train --size 2b  # train step tokens/s, MFU, peak memory
     ... --smoke                                               # tiny sizes, runs on a CPU (interpret mode)
@@ -135,10 +135,50 @@ def _check_one(B, T, H, K, V, C, impls):
     return worst
 
 
+def _check_masked_head(B, T, D, V, chunk):
+    """The train step's masked LM head (own backward, blocks past the response skipped) against the
+    whole head's autodiff on the device: logprobs, d hidden and d head, relative to their scale."""
+    from tmax_jax.rl.logprobs import token_logprobs
+
+    k = jax.random.split(jax.random.key(7), 4)
+    h = jax.random.normal(k[0], (B, T, D), jnp.float32).astype(jnp.bfloat16)
+    emb = 0.02 * jax.random.normal(k[1], (V, D), jnp.float32)
+    t = jax.random.randint(k[2], (B, T), 0, V, jnp.int32)
+    mask = (jnp.arange(T)[None, :] >= T // 4) & (jax.random.uniform(k[3], (B, T)) < 0.8)
+    g = jnp.where(mask, 1.0, 0.0)
+
+    def masked(h, emb):
+        return jnp.sum(token_logprobs(h, emb, t, chunk_size=chunk, mask_BxT=mask, head_vd=True) * g)
+
+    def whole(h, emb):
+        return jnp.sum(jnp.where(mask, token_logprobs(h, emb.T, t, chunk_size=chunk), 0.0) * g)
+
+    t0 = time.perf_counter()
+    got = jax.block_until_ready(jax.jit(jax.value_and_grad(masked, (0, 1)))(h, emb))
+    ms = time.perf_counter() - t0
+    ref = jax.block_until_ready(jax.jit(jax.value_and_grad(whole, (0, 1)))(h, emb))
+    a, b = jax.tree.leaves(got), jax.tree.leaves(ref)
+    errs = [
+        float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))))
+        / max(float(jnp.max(jnp.abs(y.astype(jnp.float32)))), 1e-30)
+        for x, y in zip(a, b)
+    ]
+    worst = max(errs)
+    say(
+        f"[check] {'PASS' if worst < 1e-3 else 'FAIL'} masked LM head B={B} T={T} D={D} V={V} chunk {chunk}: "
+        f"worst relative error {worst:.2e} (loss, d hidden, d head; threshold 1e-3), first call {ms:.1f} s"
+    )
+
+
 def part_check(args):
     """The kernels (kernels="pallas": Triton on GPU, Mosaic on TPU, interpret mode on CPU) against the
-    pure-JAX path: outputs, final state and the VJP, float32 inputs, packed rows, T % C != 0."""
+    pure-JAX path: outputs, final state and the VJP, float32 inputs, packed rows, T % C != 0. First,
+    the train step's masked LM head against the whole head (pure JAX; seconds)."""
     from tmax_jax.kernels import resolve_kernels
+
+    head_shapes = [(2, 100, 32, 500, 64)] if args.smoke else [(2, 4096 + 37, 1024, 32768, 1024)]
+    for shape in head_shapes:
+        attempt(f"masked head {shape}", _check_masked_head, *shape)
 
     _, launcher, interpret = resolve_kernels("pallas")
     impls = implementations(args.smoke)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The accelerator check for issues 15 and 17, at most 9 minutes on one H200:
-#   1. the Pallas delta-rule kernels against the pure-JAX path on the device (values, VJP);
+#   1. the masked LM head against the whole head, and the Pallas delta-rule kernels against the
+#      pure-JAX path, on the device (values, VJP);
 #   2. the delta rule's ms, tokens/s, TFLOP/s and compiled temporaries, JAX path vs kernels (T=32K);
 #   3. 2B train steps at 32K, 8K and 64K tokens: tokens/s, MFU, peak device memory;
 #   4. the rollout engine's 0.8B bfloat16 decode at 64 and 256 slots: ms per step, tokens/s;
