@@ -172,6 +172,39 @@ _STARTUP_VARS = frozenset(
 )  # fmt: skip
 
 
+def safe_extract(tar: tarfile.TarFile, dest: str) -> None:
+    """Extract an archive a hostile sandbox may have made: tarfile's "data" filter (absolute paths,
+    paths or links out of the tree, device files and fifos refused; no setuid bits, no group/other
+    write, no archive ownership). Python before 3.11.4 (Debian 12's 3.11.2) has no filters: the
+    same refusals are made here, member by member, before anything is written."""
+    if hasattr(tarfile, "data_filter"):
+        tar.extractall(dest, filter="data")
+        return
+    root = os.path.realpath(dest)
+
+    def inside(path: str) -> bool:
+        return path == root or path.startswith(root + os.sep)
+
+    members = tar.getmembers()
+    for m in members:
+        if os.path.isabs(m.name) or ".." in PurePosixPath(m.name).parts:
+            raise tarfile.TarError(f"{m.name!r} points outside the archive")
+        if not (m.isfile() or m.isdir() or m.issym() or m.islnk()):
+            raise tarfile.TarError(f"{m.name!r} is a device, fifo or other special file")
+        path = os.path.join(root, m.name)
+        if not inside(os.path.realpath(path)):
+            raise tarfile.TarError(f"{m.name!r} would be written outside the destination")
+        if m.issym() or m.islnk():
+            if os.path.isabs(m.linkname):
+                raise tarfile.TarError(f"{m.name!r} links to an absolute path")
+            base = os.path.dirname(path) if m.issym() else root
+            if not inside(os.path.realpath(os.path.join(base, m.linkname))):
+                raise tarfile.TarError(f"{m.name!r} links outside the archive")
+        m.mode &= 0o755 if m.isdir() or m.mode & 0o100 else 0o644
+        m.uid, m.gid, m.uname, m.gname = os.getuid(), os.getgid(), "", ""
+    tar.extractall(dest, members=members)
+
+
 def exec_result(got, cap: int) -> ExecResult:
     """An ``ExecResult`` from a ``procs.Captured`` (decoded, truncation marked)."""
     out = got.stdout.decode("utf-8", "replace")
@@ -465,9 +498,7 @@ class Sandbox(abc.ABC):
         with tempfile.TemporaryDirectory() as tmp:
             try:
                 with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
-                    # "data" refuses absolute paths, links out of the tree and device files a hostile
-                    # sandbox could put in the archive.
-                    tar.extractall(tmp, filter="data")
+                    safe_extract(tar, tmp)
             except (tarfile.TarError, OSError) as e:
                 raise SandboxError(f"download of {remote_path}: the sandbox sent a bad archive: {e}") from e
             got = Path(tmp) / PurePosixPath(remote_path).name

@@ -32,6 +32,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -295,14 +296,11 @@ class BwrapSandbox(Sandbox):
             if a in ("--ro-bind", "--bind") and self.is_root and not _reachable_by_others(out[i + 1]):
                 dst = self.stage / f"src{len(self._staged)}"
                 dst.mkdir()
-                for cmd in (["--bind", out[i + 1]], ["-o", "remount,bind,ro"]):
-                    r = subprocess.run(["mount", *cmd, str(dst)], capture_output=True, text=True)
-                    if r.returncode != 0:
-                        raise SandboxError(
-                            f"could not stage {out[i + 1]} for the sandbox: {r.stderr.strip()}"
-                        )
-                    if cmd[0] == "--bind":
-                        self._staged.append(dst)
+                try:  # read-only from the start: never a moment of the host's files writable here
+                    overlay.readonly_bind(out[i + 1], str(dst))
+                except OSError as e:
+                    raise SandboxError(f"could not stage {out[i + 1]} for the sandbox: {e}") from e
+                self._staged.append(dst)
                 out[i + 1], out[i] = str(dst), "--ro-bind"
         return tuple(out)
 
@@ -588,7 +586,7 @@ class BwrapSandbox(Sandbox):
             if cg is not None:
                 cg.kill_all()
                 cg.remove()
-            shutil.rmtree(vdir, ignore_errors=True)
+            overlay.remove_unmounted_tree(vdir)
 
     def shell_mark(self, session):
         # The shell's current descendants (earlier background jobs), found on the host side.
@@ -701,16 +699,15 @@ def _make_stage_root() -> None:
 
 
 def remove_stage(stage: Path) -> None:
-    """Unmount everything under a sandbox's stage dir (deepest first) and remove it."""
-    try:
-        with open("/proc/self/mountinfo") as f:
-            points = [line.split()[4] for line in f]
-    except OSError:
-        points = []
-    prefix = str(stage).rstrip("/") + "/"
-    for mp in sorted((m for m in points if m.startswith(prefix)), key=len, reverse=True):
-        subprocess.run(["umount", "-l", mp], capture_output=True)
-    shutil.rmtree(stage, ignore_errors=True)
+    """Unmount everything under a sandbox's stage dir (deepest first) and remove it. The stage holds
+    binds of host dirs (``_reachable``); if one stays mounted the stage is left in place (and said so)
+    rather than deleted through it: a recursive delete there deletes the host's files."""
+    if not overlay.remove_unmounted_tree(stage):
+        print(
+            f"tmax-jax: {stage} still has mounts under it (or the mount table is unreadable); "
+            "left in place, not deleted through them",
+            file=sys.stderr,
+        )
 
 
 def _reachable_by_others(path: str) -> bool:

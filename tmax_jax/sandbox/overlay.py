@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import subprocess
 import threading
 from pathlib import Path
@@ -82,6 +83,66 @@ def idmapped_bind(src: str, dst: str, userns_path: str) -> None:
             raise OSError(e, f"attaching {src} at {dst}: {os.strerror(e)}")
     finally:
         os.close(fd)
+
+
+def readonly_bind(src: str, dst: str) -> None:
+    """Mount a bind of ``src`` at ``dst`` that is read-only from the moment it exists (``open_tree``
+    + ``mount_setattr`` on the detached copy, then ``move_mount``): a plain ``mount --bind`` followed
+    by a read-only remount leaves a window in which the host's files are writable through ``dst``."""
+    lib = _lib()
+    fd = lib.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(src), _OPEN_TREE_CLONE | _OPEN_TREE_CLOEXEC)
+    if fd < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"open_tree({src}): {os.strerror(e)}")
+    try:
+        attr = _MountAttr(_MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NODEV | _MOUNT_ATTR_NOSUID, 0, 0, 0)
+        if (
+            lib.syscall(_SYS_MOUNT_SETATTR, fd, b"", _AT_EMPTY_PATH, ctypes.byref(attr), ctypes.sizeof(attr))
+            < 0
+        ):
+            e = ctypes.get_errno()
+            raise OSError(e, f"making the bind of {src} read-only: {os.strerror(e)}")
+        if lib.syscall(_SYS_MOVE_MOUNT, fd, b"", _AT_FDCWD, os.fsencode(dst), _MOVE_MOUNT_F_EMPTY_PATH) < 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"attaching {src} at {dst}: {os.strerror(e)}")
+    finally:
+        os.close(fd)
+
+
+def mounts_under(path: str | os.PathLike) -> list[str] | None:
+    """Mount points strictly below ``path`` in this mount namespace, or None when
+    ``/proc/self/mountinfo`` cannot be read (then nothing below ``path`` may be assumed unmounted)."""
+    prefix = os.fspath(path).rstrip("/") + "/"
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    out = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 5:
+            continue
+        # Spaces, tabs, newlines and backslashes in mount points are octal escapes (\040 ...).
+        mp = fields[4].decode("unicode_escape").encode("latin-1").decode("utf-8", "surrogateescape")
+        if mp.startswith(prefix):
+            out.append(mp)
+    return out
+
+
+def remove_unmounted_tree(path: str | os.PathLike) -> bool:
+    """Lazily unmount every mount below ``path`` (deepest first), then delete ``path`` only if none is
+    left: a recursive delete through a bind that is still mounted deletes the host's files under its
+    source. Returns whether ``path`` was deleted (it is left in place, and the caller told, when a
+    mount could not be detached or the mount table could not be read)."""
+    points = mounts_under(path)
+    for mp in sorted(points or [], key=len, reverse=True):
+        subprocess.run(["umount", "-l", mp], capture_output=True)
+    left = mounts_under(path)
+    if left is None or left:
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return True
 
 
 def hidden_entries(src: str, fresh: bool = False) -> tuple[str, ...]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -125,7 +124,11 @@ def cleanup_record(run_dir: Path, rec: dict) -> None:
     state = run_dir / "state"
     if os.path.ismount(state):
         subprocess.run(["umount", "-l", str(state)], capture_output=True)
-    shutil.rmtree(run_dir, ignore_errors=True)
+    from tmax_jax.sandbox.overlay import remove_unmounted_tree
+
+    # Never a recursive delete through something still mounted under the run dir (a staged bind
+    # of a host dir would lose the host's files).
+    remove_unmounted_tree(run_dir)
 
 
 def sweep_stale(run_root: Path) -> int:
