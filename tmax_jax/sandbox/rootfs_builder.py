@@ -322,6 +322,22 @@ def check_rootfs(root: str | Path) -> tuple[dict | None, str | None]:
     return doc, None
 
 
+def host_fingerprint(python: str = "/usr/bin/python3") -> str:
+    """What the host rootfs copies from this host, in short: the builder's Python, the target
+    interpreter, and the versions of the pure-Python packages (``PURE_PY``) it takes from here. A host
+    whose pytest is upgraded gets a new rootfs, not the old copy under a matching format."""
+    import hashlib
+
+    versions = []
+    for name in PURE_PY:
+        try:
+            versions.append(f"{name}={importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            versions.append(f"{name}=-")
+    text = "\n".join([sys.version, python, *versions])
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 def cached_host_rootfs(cache_dir: str | Path, python: str = "/usr/bin/python3") -> tuple[Path, str]:
     """The minimal host-derived rootfs under ``cache_dir`` and its content id; the base of the
     podman image and of the apptainer .sif. Built once across processes (under a lock, into a
@@ -329,7 +345,8 @@ def cached_host_rootfs(cache_dir: str | Path, python: str = "/usr/bin/python3") 
     damaged or unfinished."""
     # The format is in the name, so processes running builders of two versions (an upgrade while
     # evals run) each keep their own tree instead of rebuilding the other's under its readers.
-    rootfs_dir = Path(cache_dir) / "rootfs" / f"host-minimal-f{ROOTFS_FORMAT}"
+    # The host's packages too: a rootfs made before the host's pytest was upgraded is not reused.
+    rootfs_dir = Path(cache_dir) / "rootfs" / f"host-minimal-f{ROOTFS_FORMAT}-{host_fingerprint(python)}"
     doc, _ = publish_tree(
         rootfs_dir,
         lambda tmp: _write_host_rootfs(tmp, python),
