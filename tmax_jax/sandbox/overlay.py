@@ -57,56 +57,45 @@ def _lib():
     return _libc
 
 
-def idmapped_bind(src: str, dst: str, userns_path: str) -> None:
-    """Mount a read-only bind of ``src`` at ``dst``, its ids seen through ``userns_path``'s map."""
+def _detached_bind(src: str, dst: str, attrs: int, userns_fd: int, what: str) -> None:
+    """Clone ``src`` as a detached mount (``open_tree``), set ``attrs`` on it (``mount_setattr``),
+    then attach it at ``dst`` (``move_mount``): it is never mounted without those attributes."""
     lib = _lib()
     fd = lib.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(src), _OPEN_TREE_CLONE | _OPEN_TREE_CLOEXEC)
     if fd < 0:
         e = ctypes.get_errno()
         raise OSError(e, f"open_tree({src}): {os.strerror(e)}")
     try:
-        ns = os.open(userns_path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            attr = _MountAttr(_MOUNT_ATTR_IDMAP | _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NODEV, 0, 0, ns)
-            if (
-                lib.syscall(
-                    _SYS_MOUNT_SETATTR, fd, b"", _AT_EMPTY_PATH, ctypes.byref(attr), ctypes.sizeof(attr)
-                )
-                < 0
-            ):
-                e = ctypes.get_errno()
-                raise OSError(e, f"id-mapping {src}: {os.strerror(e)}")
-        finally:
-            os.close(ns)
-        if lib.syscall(_SYS_MOVE_MOUNT, fd, b"", _AT_FDCWD, os.fsencode(dst), _MOVE_MOUNT_F_EMPTY_PATH) < 0:
-            e = ctypes.get_errno()
-            raise OSError(e, f"attaching {src} at {dst}: {os.strerror(e)}")
-    finally:
-        os.close(fd)
-
-
-def readonly_bind(src: str, dst: str) -> None:
-    """Mount a bind of ``src`` at ``dst`` that is read-only from the moment it exists (``open_tree``
-    + ``mount_setattr`` on the detached copy, then ``move_mount``): a plain ``mount --bind`` followed
-    by a read-only remount leaves a window in which the host's files are writable through ``dst``."""
-    lib = _lib()
-    fd = lib.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(src), _OPEN_TREE_CLONE | _OPEN_TREE_CLOEXEC)
-    if fd < 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"open_tree({src}): {os.strerror(e)}")
-    try:
-        attr = _MountAttr(_MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NODEV | _MOUNT_ATTR_NOSUID, 0, 0, 0)
+        attr = _MountAttr(attrs, 0, 0, userns_fd)
         if (
             lib.syscall(_SYS_MOUNT_SETATTR, fd, b"", _AT_EMPTY_PATH, ctypes.byref(attr), ctypes.sizeof(attr))
             < 0
         ):
             e = ctypes.get_errno()
-            raise OSError(e, f"making the bind of {src} read-only: {os.strerror(e)}")
+            raise OSError(e, f"{what} {src}: {os.strerror(e)}")
         if lib.syscall(_SYS_MOVE_MOUNT, fd, b"", _AT_FDCWD, os.fsencode(dst), _MOVE_MOUNT_F_EMPTY_PATH) < 0:
             e = ctypes.get_errno()
             raise OSError(e, f"attaching {src} at {dst}: {os.strerror(e)}")
     finally:
         os.close(fd)
+
+
+def idmapped_bind(src: str, dst: str, userns_path: str) -> None:
+    """Mount a read-only bind of ``src`` at ``dst``, its ids seen through ``userns_path``'s map."""
+    ns = os.open(userns_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        attrs = _MOUNT_ATTR_IDMAP | _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NODEV
+        _detached_bind(src, dst, attrs, ns, "id-mapping")
+    finally:
+        os.close(ns)
+
+
+def readonly_bind(src: str, dst: str) -> None:
+    """Mount a bind of ``src`` at ``dst`` that is read-only from the moment it exists: a plain
+    ``mount --bind`` followed by a read-only remount leaves a window in which the host's files are
+    writable through ``dst``."""
+    attrs = _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NODEV | _MOUNT_ATTR_NOSUID
+    _detached_bind(src, dst, attrs, 0, "making read-only the bind of")
 
 
 def mounts_under(path: str | os.PathLike) -> list[str] | None:
