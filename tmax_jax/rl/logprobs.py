@@ -40,10 +40,11 @@ def head_precision() -> jax.lax.Precision | None:
     return None if jax.default_backend() == "cpu" else jax.lax.Precision.HIGHEST
 
 
-def head_logits(hidden_NxD: jax.Array, lm_head_DxV: jax.Array) -> jax.Array:
-    """float32 ``hidden @ W`` over any leading dims of ``hidden`` (inputs cast to float32 first)."""
+def head_logits(hidden_NxD: jax.Array, lm_head_DxV: jax.Array, *, vd: bool = False) -> jax.Array:
+    """float32 ``hidden @ W`` over any leading dims of ``hidden`` (inputs cast to float32 first).
+    ``vd``: the head is given as ``[V, D]`` (a tied embedding as stored) and read that way."""
     return jnp.einsum(
-        "...d,dv->...v",
+        "...d,vd->...v" if vd else "...d,dv->...v",
         hidden_NxD.astype(jnp.float32),
         lm_head_DxV.astype(jnp.float32),
         precision=head_precision(),
@@ -378,31 +379,24 @@ def _masked_token_logprobs(
     return jnp.where(keep_BxT, lp_BxT, 0.0)
 
 
-def _head(h_BxCxD, w, vd):
-    """``head_logits`` with the head ``[D, V]``, or ``[V, D]`` when ``vd``."""
-    return jnp.einsum(
-        "bcd,vd->bcv" if vd else "bcd,dv->bcv",
-        h_BxCxD.astype(jnp.float32),
-        w.astype(jnp.float32),
-        precision=head_precision(),
-        preferred_element_type=jnp.float32,
-    )
-
-
 def _head_block(h_BxCxD, w, t_BxC, temperature, k, p, vd):
-    """(floored logprob, raw logprob, log-sum-exp, sampling logits) of one block of positions."""
-    kept_BxCxV = sampling_logits(_head(h_BxCxD, w, vd), temperature, k, p)
+    """(raw logprob, log-sum-exp, sampling logits) of one block of positions."""
+    kept_BxCxV = sampling_logits(head_logits(h_BxCxD, w, vd=vd), temperature, k, p)
     lse_BxC = jax.nn.logsumexp(kept_BxCxV, axis=-1)
     raw_BxC = jnp.take_along_axis(kept_BxCxV, t_BxC[..., None], axis=-1)[..., 0] - lse_BxC
-    floored = raw_BxC if k is None and p is None else jnp.maximum(raw_BxC, TRUNCATED_LOGPROB_FLOOR)
-    return floored, raw_BxC, lse_BxC, kept_BxCxV
+    return raw_BxC, lse_BxC, kept_BxCxV
+
+
+def _floored(raw_BxT, k, p):
+    """The logprob the head reports: the truncation floor applies when a filter is on."""
+    return raw_BxT if k is None and p is None else jnp.maximum(raw_BxT, TRUNCATED_LOGPROB_FLOOR)
 
 
 def _prefix_forward(h_BxTxD, w, t_BxT, reach, size, temperature, k, p, keep_probs, vd):
     B, T, _ = h_BxTxD.shape
     V = w.shape[0 if vd else 1]
     blocks = (reach + size - 1) // size
-    bufs = (jnp.zeros((B, T), jnp.float32), jnp.zeros((B, T), jnp.float32), jnp.zeros((B, T), jnp.float32))
+    bufs = (jnp.zeros((B, T), jnp.float32), jnp.zeros((B, T), jnp.float32))
     if keep_probs:
         bufs += (jnp.zeros((B, T, V), jnp.float32),)
 
@@ -410,8 +404,8 @@ def _prefix_forward(h_BxTxD, w, t_BxT, reach, size, temperature, k, p, keep_prob
         at = i * size
         h = jax.lax.dynamic_slice_in_dim(h_BxTxD, at, size, axis=1)
         t = jax.lax.dynamic_slice_in_dim(t_BxT, at, size, axis=1)
-        lp, raw, lse, kept = _head_block(h, w, t, temperature, k, p, vd)
-        outs = (lp, raw, lse) + ((jnp.exp(kept - lse[..., None]),) if keep_probs else ())
+        raw, lse, kept = _head_block(h, w, t, temperature, k, p, vd)
+        outs = (raw, lse) + ((jnp.exp(kept - lse[..., None]),) if keep_probs else ())
         return tuple(jax.lax.dynamic_update_slice_in_dim(b, o, at, axis=1) for b, o in zip(bufs, outs))
 
     return jax.lax.fori_loop(0, blocks, body, bufs)
@@ -421,12 +415,12 @@ def _prefix_forward(h_BxTxD, w, t_BxT, reach, size, temperature, k, p, keep_prob
 def _prefix_head(h_BxTxD, w, t_BxT, reach, size, temperature, k, p, keep_probs, vd):
     """float32 [B, T] logprobs of the first ``ceil(reach / size)`` blocks of ``size`` positions (zeros
     after), with its own backward pass over the same blocks: no [B, T, V] work past ``reach``."""
-    return _prefix_forward(h_BxTxD, w, t_BxT, reach, size, temperature, k, p, False, vd)[0]
+    return _floored(_prefix_forward(h_BxTxD, w, t_BxT, reach, size, temperature, k, p, False, vd)[0], k, p)
 
 
 def _prefix_head_fwd(h_BxTxD, w, t_BxT, reach, size, temperature, k, p, keep_probs, vd):
-    lp, raw, lse, *probs = _prefix_forward(h_BxTxD, w, t_BxT, reach, size, temperature, k, p, keep_probs, vd)
-    return lp, (h_BxTxD, w, t_BxT, reach, raw, lse, tuple(probs))
+    raw, lse, *probs = _prefix_forward(h_BxTxD, w, t_BxT, reach, size, temperature, k, p, keep_probs, vd)
+    return _floored(raw, k, p), (h_BxTxD, w, t_BxT, reach, raw, lse, tuple(probs))
 
 
 def _prefix_head_bwd(size, temperature, k, p, keep_probs, vd, res, g_BxT):
@@ -450,7 +444,7 @@ def _prefix_head_bwd(size, temperature, k, p, keep_probs, vd, res, g_BxT):
             p_BxCxV = jax.lax.dynamic_slice_in_dim(probs[0], at, size, axis=1)
         else:
             lse = jax.lax.dynamic_slice_in_dim(lse_BxT, at, size, axis=1)
-            kept = sampling_logits(_head(h, w, vd), temperature, k, p)
+            kept = sampling_logits(head_logits(h, w, vd=vd), temperature, k, p)
             p_BxCxV = jnp.exp(kept - lse[..., None])
         hit = jax.lax.broadcasted_iota(jnp.int32, p_BxCxV.shape, 2) == t[..., None]
         return at, h, coef[..., None] * (hit.astype(jnp.float32) - p_BxCxV)

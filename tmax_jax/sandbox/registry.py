@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 from tmax_jax.sandbox import cgroup
+from tmax_jax.sandbox.overlay import remove_unmounted_tree
 from tmax_jax.sandbox.procs import pid_alive
 
 _LIVE: dict = {}
@@ -121,13 +122,8 @@ def cleanup_record(run_dir: Path, rec: dict) -> None:
         from tmax_jax.sandbox.bwrap import remove_stage
 
         remove_stage(Path(rec["stage"]))
-    state = run_dir / "state"
-    if os.path.ismount(state):
-        subprocess.run(["umount", "-l", str(state)], capture_output=True)
-    from tmax_jax.sandbox.overlay import remove_unmounted_tree
-
-    # Never a recursive delete through something still mounted under the run dir (a staged bind
-    # of a host dir would lose the host's files).
+    # Unmounts what is mounted under the run dir (its state dir among them) and deletes it only
+    # when nothing is left: never a recursive delete through a staged bind of a host dir.
     remove_unmounted_tree(run_dir)
 
 

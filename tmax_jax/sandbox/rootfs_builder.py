@@ -8,6 +8,7 @@ is reachable.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import importlib.util
 import os
@@ -326,8 +327,6 @@ def host_fingerprint(python: str = "/usr/bin/python3") -> str:
     """What the host rootfs copies from this host, in short: the builder's Python, the target
     interpreter, and the versions of the pure-Python packages (``PURE_PY``) it takes from here. A host
     whose pytest is upgraded gets a new rootfs, not the old copy under a matching format."""
-    import hashlib
-
     versions = []
     for name in PURE_PY:
         try:
