@@ -117,6 +117,20 @@ def _unit_lower_inverse(strict_lower: jax.Array) -> jax.Array:
     return jnp.concatenate([top, jnp.concatenate([x21, x22], axis=-1)], axis=-2)
 
 
+def _chunk_cumsum(x: jax.Array, reverse: bool = False) -> jax.Array:
+    """Cumulative sum over the last axis (a chunk) as a matmul with a triangular 0/1 matrix.
+
+    Same sums as ``jnp.cumsum`` up to float32 rounding order. On XLA CPU, a cumsum becomes a blocked
+    reduce-window whose partial sums every consumer re-indexes per element (division and remainder
+    by the block). That kept the chunk's ``exp(cum_i - cum_j)`` fusion from vectorising: 2.9 ns per
+    element against 0.3 ns from a materialised prefix sum ([32, 8, 64, 64], one process, 2 cores).
+    ``reverse``: sums from each position to the end.
+    """
+    C = x.shape[-1]
+    tri = jnp.triu(jnp.ones((C, C), x.dtype))  # [j, i]: j <= i
+    return _mm("...j,ji->...i", x, tri.T if reverse else tri)
+
+
 def _lead(x: jax.Array, ndim: int) -> jax.Array:
     """``x`` with leading 1s up to rank ``ndim`` (explicit broadcasts: strict rank promotion)."""
     return x.reshape((1,) * (ndim - x.ndim) + x.shape)
@@ -161,7 +175,7 @@ class ChunkPrep(NamedTuple):
 def _chunk_prepare(q, k, v, g, beta, masks: ChunkMasks) -> ChunkPrep:
     """``q, k [..., C, dk]``, ``v [..., C, dv]``, ``g, beta [..., C]``, all float32."""
     C = q.shape[-2]
-    cum = jnp.cumsum(g, axis=-1)
+    cum = _chunk_cumsum(g)
     # -inf off the mask: exp gives exactly 0 there and never overflows on the (positive) upper half.
     decay = jnp.exp(jnp.where(masks.same, cum[..., :, None] - cum[..., None, :], -jnp.inf))
     read = jnp.exp(cum) * masks.reads
@@ -270,7 +284,7 @@ def _chunk_backward(q, k, v, g, beta, masks: ChunkMasks, prep: ChunkPrep, s, do,
     d_last = jnp.sum(from_write, axis=-1) + d_gamma * prep.gamma
     d_cum = d_cum - from_write
     d_cum = d_cum.at[..., -1].add(d_last)
-    dg = jnp.flip(jnp.cumsum(jnp.flip(d_cum, -1), axis=-1), -1)  # cum = cumsum(g)
+    dg = _chunk_cumsum(d_cum, reverse=True)  # cum = cumsum(g)
     return dq, dk, dv, dg, dbeta
 
 
