@@ -59,18 +59,11 @@ def chunked_flops(T: int, H: int, dk: int, dv: int, C: int) -> float:
 
 
 def delta_rule_ceiling(batched_gflops: float, T: int = 2048, H: int = 16, d: int = 128, C: int = 64) -> None:
-    from bench_model import best_of_interleaved
+    from bench_model import best_of_interleaved, delta_rule_inputs
 
     from tmax_jax.models.qwen35.delta_rule import chunked_gated_delta_rule, recurrent_gated_delta_rule
 
-    rng = np.random.default_rng(1)
-    q, k = (rng.normal(size=(1, T, H, d)).astype(np.float32) for _ in range(2))
-    q /= np.linalg.norm(q, axis=-1, keepdims=True) * d**0.5
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    v = rng.normal(size=(1, T, H, d)).astype(np.float32)
-    g = -np.log1p(np.exp(rng.normal(size=(1, T, H)))).astype(np.float32)
-    beta = (1 / (1 + np.exp(-rng.normal(size=(1, T, H))))).astype(np.float32)
-    inputs = [jnp.asarray(a) for a in (q, k, v, g, beta)]
+    inputs = delta_rule_inputs(T, H, d, d)
     chunked = jax.jit(lambda *a: chunked_gated_delta_rule(*a, chunk_size=C)[0])
     recurrent = jax.jit(lambda *a: recurrent_gated_delta_rule(*a)[0])
     c_s, r_s = best_of_interleaved(
