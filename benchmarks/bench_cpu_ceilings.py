@@ -61,11 +61,12 @@ def chunked_flops(T: int, H: int, dk: int, dv: int, C: int) -> float:
 
 
 def delta_rule_ceiling(batched_gflops: float, T: int = 2048, H: int = 16, d: int = 128, C: int = 64) -> None:
-    from bench_model import best_of_interleaved, delta_rule_inputs
+    from bench_model import best_of_interleaved
+    from device_check import delta_rule_inputs
 
     from tmax_jax.models.qwen35.delta_rule import chunked_gated_delta_rule, recurrent_gated_delta_rule
 
-    inputs = delta_rule_inputs(T, H, d, d)
+    inputs = delta_rule_inputs(1, 1, T, H, d, d, jnp.float32, jnp.float32)[:5]  # no initial state
     chunked = jax.jit(lambda *a: chunked_gated_delta_rule(*a, chunk_size=C)[0])
     recurrent = jax.jit(lambda *a: recurrent_gated_delta_rule(*a)[0])
     c_s, r_s = best_of_interleaved(

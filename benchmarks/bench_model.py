@@ -124,22 +124,10 @@ def bench_cpu(args) -> None:
     bench_delta_rule(args.delta_seq, args.repeats)
 
 
-def delta_rule_inputs(seq: int, heads: int, dk: int, dv: int) -> list[jax.Array]:
-    """Random (q, k, v, g, beta) for one row as the layer makes them: q and k L2-normalised (q also
-    scaled by dk^-0.5), g = -softplus(.) <= 0, beta in (0, 1)."""
-    rng = np.random.default_rng(1)
-    q = rng.normal(size=(1, seq, heads, dk)).astype(np.float32)
-    k = rng.normal(size=(1, seq, heads, dk)).astype(np.float32)
-    q /= np.linalg.norm(q, axis=-1, keepdims=True) * dk**0.5
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    v = rng.normal(size=(1, seq, heads, dv)).astype(np.float32)
-    g = -np.log1p(np.exp(rng.normal(size=(1, seq, heads)))).astype(np.float32)
-    beta = (1 / (1 + np.exp(-rng.normal(size=(1, seq, heads))))).astype(np.float32)
-    return [jnp.asarray(a) for a in (q, k, v, g, beta)]
-
-
 def bench_delta_rule(seq: int, repeats: int, heads: int = 16, dk: int = 128, dv: int = 128) -> None:
-    inputs = delta_rule_inputs(seq, heads, dk, dv)
+    from device_check import delta_rule_inputs
+
+    inputs = delta_rule_inputs(1, 1, seq, heads, dk, dv, jnp.float32, jnp.float32)[:5]  # no initial state
     chunked = jax.jit(chunked_gated_delta_rule)
     recurrent = jax.jit(recurrent_gated_delta_rule)
     # Interleaved repeats: on a shared machine a burst of load then hits both forms alike.
