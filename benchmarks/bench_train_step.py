@@ -5,7 +5,10 @@ same Qwen 3.5 shape and batch; the ratio is measured in this run. JAX runs on 1 
 devices (fsdp=8); on an accelerator host it also reports MFU (``--mfu-peak-tflops``). On CPU each
 device count other than this process's runs in a child process started with that many devices:
 a process split into 8 fake devices runs a 1-device step ~7% slower than a 1-device process (the
-75M step, 8 x 64 tokens: 1.82 vs 1.65-1.69 s), and a 1-device user runs the latter.
+75M step, 8 x 64 tokens: 1.82 vs 1.65-1.69 s), and a 1-device user runs the latter. PyTorch runs in a
+child process too: the JAX processes set glibc's malloc as ``tmax-jax`` does on a CPU-only host
+(``tmax_jax/hostmem.py``; ``--host-malloc``), and PyTorch runs with glibc's defaults, as a plain
+PyTorch script does, unless ``--torch-host-malloc reuse`` gives it the same setting.
 
     python benchmarks/bench_train_step.py --sizes tiny,100m --rows 8 --seq 128 --steps 3
 """
@@ -29,6 +32,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from tmax_jax import hostmem  # noqa: E402
 from tmax_jax.models.qwen35 import Qwen35Config  # noqa: E402
 from tmax_jax.rl import OptimizerConfig, RLConfig  # noqa: E402
 from tmax_jax.rl.packing import empty_batch  # noqa: E402
@@ -70,7 +74,8 @@ def make_batch(cfg: Qwen35Config, rows: int, seq: int) -> dict[str, np.ndarray]:
     return b
 
 
-def time_steps(fn, steps: int) -> tuple[float, float]:
+def time_steps(fn, steps: int) -> dict[str, float]:
+    """Seconds of the first call (compile included), and the median and best of ``steps`` more."""
     t0 = time.perf_counter()
     fn()
     first = time.perf_counter() - t0
@@ -79,7 +84,7 @@ def time_steps(fn, steps: int) -> tuple[float, float]:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return first, statistics.median(times)
+    return dict(first=first, med=statistics.median(times), best=min(times))
 
 
 def bench_jax(cfg, batch, devices, steps, dtype, remat):
@@ -95,7 +100,7 @@ def bench_jax(cfg, batch, devices, steps, dtype, remat):
         jax.block_until_ready(metrics["loss"])
 
     n_params = sum(x.size for x in jax.tree.leaves(holder["state"].params))
-    return (*time_steps(run, steps), n_params)
+    return time_steps(run, steps) | dict(n_params=n_params)
 
 
 def bench_torch(cfg, batch, steps, delta=0.1):
@@ -132,7 +137,7 @@ def bench_torch(cfg, batch, steps, delta=0.1):
     return time_steps(run, steps)
 
 
-def bench_in_child(args, size: str, devices: int) -> tuple[float, float, int]:
+def bench_in_child(args, size: str, devices: int) -> dict[str, float]:
     """The JAX step on ``devices`` CPU devices, measured in a process that has exactly that many."""
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
     env = dict(os.environ, XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}".strip())
@@ -141,12 +146,32 @@ def bench_in_child(args, size: str, devices: int) -> tuple[float, float, int]:
         "--rows", str(args.rows), "--seq", str(args.seq), "--steps", str(args.steps),
         "--dtype", args.dtype, "--remat", args.remat,
     ]  # fmt: skip
+    return _child_result(cmd, env, f"the {devices}-device child run")
+
+
+def torch_in_child(args, size: str) -> dict[str, float]:
+    """The PyTorch step in its own process, with glibc's malloc as ``--torch-host-malloc`` says."""
+    env = dict(os.environ, **{hostmem.ENV: args.torch_host_malloc})
+    cmd = [
+        sys.executable, __file__, "--child", "--torch-only", "--sizes", size,
+        "--rows", str(args.rows), "--seq", str(args.seq), "--steps", str(args.steps),
+    ]  # fmt: skip
+    return _child_result(cmd, env, "the PyTorch child run")
+
+
+def _child_result(cmd, env, what: str):
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
-            r = json.loads(line[len("RESULT ") :])
-            return r["first"], r["med"], r["n_params"]
-    raise SystemExit(f"the {devices}-device child run failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+            return json.loads(line[len("RESULT ") :])
+    raise SystemExit(f"{what} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+
+
+def _times(r: dict, tokens: int) -> str:
+    return (
+        f"first {r['first']:7.2f}s  step {r['med']:7.3f}s median, {r['best']:7.3f}s best  "
+        f"{tokens / r['med']:10.1f} tok/s"
+    )
 
 
 def main() -> None:
@@ -159,14 +184,38 @@ def main() -> None:
     ap.add_argument("--remat", default="none", choices=["none", "full", "dots"])
     ap.add_argument("--device-counts", default="", help="comma list, default: 1 and all devices")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--host-malloc",
+        choices=hostmem.MODES,
+        default=None,
+        help="glibc malloc for the JAX processes (tmax_jax/hostmem.py); default: as the CLI does it",
+    )
+    ap.add_argument(
+        "--torch-host-malloc",
+        choices=("system", "reuse"),
+        default="system",
+        help="glibc malloc for the PyTorch process: system (a plain PyTorch run, default) or reuse",
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument(
         "--mfu-peak-tflops", type=float, default=None, help="per-device peak, e.g. 989 for H200 bf16"
     )
     args = ap.parse_args()
+    if args.host_malloc:
+        os.environ[hostmem.ENV] = args.host_malloc  # the JAX children inherit it
+    malloc = hostmem.configure(args.torch_host_malloc if args.torch_only else None)
+    if args.torch_only:
+        cfg = model_config(args.sizes)
+        r = bench_torch(cfg, make_batch(cfg, args.rows, args.seq), args.steps)
+        print("RESULT " + json.dumps(r), flush=True)
+        return
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     tokens = args.rows * args.seq
-    print(f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind}; batch {args.rows} x {args.seq}")
+    print(
+        f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind}; batch {args.rows} x {args.seq}; "
+        f"host malloc: jax {malloc}, torch {args.torch_host_malloc}"
+    )
     for size in args.sizes.split(","):
         cfg = model_config(size)
         batch = make_batch(cfg, args.rows, args.seq)
@@ -181,26 +230,30 @@ def main() -> None:
         results = {}
         for name, devs in device_sets:
             if args.child:
-                first, med, n_params = bench_jax(cfg, batch, devs, args.steps, dtype, args.remat)
-                print("RESULT " + json.dumps(dict(first=first, med=med, n_params=n_params)), flush=True)
+                r = bench_jax(cfg, batch, devs, args.steps, dtype, args.remat)
+                print("RESULT " + json.dumps(r), flush=True)
                 return
             if jax.default_backend() == "cpu" and len(devs) != len(jax.devices()):
-                first, med, n_params = bench_in_child(args, size, len(devs))
+                r = bench_in_child(args, size, len(devs))
             else:
-                first, med, n_params = bench_jax(cfg, batch, devs, args.steps, dtype, args.remat)
-            results[name] = med
-            line = f"[{size} {n_params / 1e6:.1f}M] {name:14s} first {first:7.2f}s  step {med:7.3f}s  {tokens / med:10.1f} tok/s"
+                r = bench_jax(cfg, batch, devs, args.steps, dtype, args.remat)
+            results[name] = r
+            line = f"[{size} {r['n_params'] / 1e6:.1f}M] {name:14s} {_times(r, tokens)}"
             if args.mfu_peak_tflops:
-                flops = 6 * n_params * tokens  # + attention, ignored: a lower bound on MFU
-                line += f"  MFU {flops / med / (args.mfu_peak_tflops * 1e12 * len(devs)):.1%}"
+                flops = 6 * r["n_params"] * tokens  # + attention, ignored: a lower bound on MFU
+                line += f"  MFU {flops / r['med'] / (args.mfu_peak_tflops * 1e12 * len(devs)):.1%}"
             print(line, flush=True)
         if not args.no_torch:
-            first, med = bench_torch(cfg, batch, args.steps)
-            print(
-                f"[{size}] {'torch+hf':14s} first {first:7.2f}s  step {med:7.3f}s  {tokens / med:10.1f} tok/s"
-            )
-            for name, t in results.items():
-                print(f"[{size}] ratio {name} / torch: {med / t:.2f}x tokens/s")
+            if jax.default_backend() == "cpu":
+                t = torch_in_child(args, size)
+            else:
+                t = bench_torch(cfg, batch, args.steps)
+            print(f"[{size}] {'torch+hf':14s} {_times(t, tokens)}")
+            for name, r in results.items():
+                print(
+                    f"[{size}] ratio {name} / torch: {t['med'] / r['med']:.2f}x tokens/s (medians), "
+                    f"{t['best'] / r['best']:.2f}x (bests)"
+                )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+from tmax_jax import hostmem
 from tmax_jax.errors import TmaxError
 
 # One entry per sub-command module (tmax_jax/commands/<name>.py).
@@ -46,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        # Before any command starts JAX's CPU threads (tmax_jax/hostmem.py says why and when).
+        hostmem.configure()
         rc = args.func(args)
     except TmaxError as e:
         print(f"tmax-jax {args.command}: error: {e}", file=sys.stderr)
