@@ -37,7 +37,7 @@ def victim(tmp_path):
     return d
 
 
-def test_a_stage_whose_bind_stays_mounted_is_not_deleted_through_it(tmp_path, victim, monkeypatch):
+def test_a_stage_whose_bind_stays_mounted_is_not_deleted_through_it(tmp_path, victim, monkeypatch, capsys):
     stage = tmp_path / "stage"
     (stage / "src0").mkdir(parents=True)
     (stage / "scratch.txt").write_text("x")
@@ -57,6 +57,10 @@ def test_a_stage_whose_bind_stays_mounted_is_not_deleted_through_it(tmp_path, vi
         monkeypatch.undo()
         assert (victim / "bin" / "python3").read_text() == "the host's interpreter\n"
         assert stage.exists()  # left in place, with its mount
+        # ... and said so, from remove_unmounted_tree itself: its other callers (the verifier dir,
+        # the registry's stale records) get the same warning.
+        err = capsys.readouterr().err
+        assert f"{stage} left in place" in err and "1 mount(s) still under it" in err
     finally:
         _umount(stage / "src0")
     # Once the bind is gone the stage goes too, and the host dir is still whole.

@@ -32,7 +32,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -702,12 +701,7 @@ def remove_stage(stage: Path) -> None:
     """Unmount everything under a sandbox's stage dir (deepest first) and remove it. The stage holds
     binds of host dirs (``_reachable``); if one stays mounted the stage is left in place (and said so)
     rather than deleted through it: a recursive delete there deletes the host's files."""
-    if not overlay.remove_unmounted_tree(stage):
-        print(
-            f"tmax-jax: {stage} still has mounts under it (or the mount table is unreadable); "
-            "left in place, not deleted through them",
-            file=sys.stderr,
-        )
+    overlay.remove_unmounted_tree(stage)
 
 
 def _reachable_by_others(path: str) -> bool:

@@ -25,6 +25,7 @@ import ctypes
 import os
 import shutil
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -122,13 +123,15 @@ def mounts_under(path: str | os.PathLike) -> list[str] | None:
 def remove_unmounted_tree(path: str | os.PathLike) -> bool:
     """Lazily unmount every mount below ``path`` (deepest first), then delete ``path`` only if none is
     left: a recursive delete through a bind that is still mounted deletes the host's files under its
-    source. Returns whether ``path`` was deleted (it is left in place, and the caller told, when a
-    mount could not be detached or the mount table could not be read)."""
+    source. Returns whether ``path`` was deleted. When a mount could not be detached or the mount
+    table could not be read, ``path`` is left in place and stderr says so, whoever the caller."""
     points = mounts_under(path)
     for mp in sorted(points or [], key=len, reverse=True):
         subprocess.run(["umount", "-l", mp], capture_output=True)
     left = mounts_under(path)
     if left is None or left:
+        why = "the mount table is unreadable" if left is None else f"{len(left)} mount(s) still under it"
+        print(f"tmax-jax: {path} left in place, not deleted through its mounts ({why})", file=sys.stderr)
         return False
     shutil.rmtree(path, ignore_errors=True)
     return True
