@@ -47,8 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        # Before any command starts JAX's CPU threads (tmax_jax/hostmem.py says why and when).
-        hostmem.configure()
+        if getattr(args, "uses_jax", True):
+            # Before the command starts JAX's backend (tmax_jax/hostmem.py says why and when).
+            hostmem.configure()
         rc = args.func(args)
     except TmaxError as e:
         print(f"tmax-jax {args.command}: error: {e}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""How glibc's malloc serves XLA's CPU runtime: keep big blocks in the heap instead of remapping them.
+"""How glibc's malloc serves XLA's CPU runtime: keep a program's temporaries mapped between calls.
 
 XLA's CPU client allocates a program's temporaries as one block per execution (936 MiB for the 75M
 train step at 8 x 64 tokens, ``benchmarks/bench_train_step.py``) and frees it when the program ends.
@@ -6,22 +6,25 @@ glibc serves any block over its mmap threshold (at most 32 MiB) with a fresh ``m
 faults that block in again, 4 KiB at a time, zero-filled by the kernel: 240K page faults, about
 0.2 s of a 1.7 s step on this project's 2-core CI machine.
 
-``configure()`` turns that off for the process, with three ``mallopt`` settings:
+``configure()`` (``reuse``) turns that off for the process:
 
-* one malloc arena (``M_ARENA_MAX=1``): a thread arena's heap is capped at 64 MiB, so a bigger block
-  on one of XLA's threads would be ``mmap``-ed whatever the other settings say;
-* no ``mmap``-served blocks (``M_MMAP_MAX=0``): big blocks come from the main heap;
-* no trimming below 2 GiB (``M_TRIM_THRESHOLD``, an ``int``): a freed block stays mapped, and the
-  next step reuses the same pages.
+* ``mallopt(M_MMAP_MAX, 0)``: no block is served by its own ``mmap``; big ones come from the heap;
+* ``mallopt(M_TRIM_THRESHOLD, 2 GiB - 1)`` (an ``int``): a freed block's pages stay mapped, and the
+  next call reuses them;
+* JAX's CPU dispatch made synchronous (``jax_cpu_enable_async_dispatch``): a single-device program
+  then runs on the calling thread. Only the main thread allocates from glibc's main heap; every
+  other thread has an arena whose heap is capped at 64 MiB, so a bigger block allocated on one of
+  XLA's dispatch threads would be ``mmap``-ed whatever the settings say. (One arena for all threads,
+  ``M_ARENA_MAX=1``, also works, but its lock slowed the tiny model's step by 30%.)
 
-The cost: the process keeps its peak heap (up to 2 GiB of free top, and whatever fragmentation
-holds) instead of returning it to the system, and every thread takes the one arena's lock. That
-suits a CPU training or serving process, so ``auto`` applies it only where JAX will run on the CPU.
-It has to run before XLA starts its thread pools (before the first ``jax.devices()`` or array);
-later, threads already own their arenas and it is skipped.
+The cost: the process keeps up to 2 GiB of freed heap (and whatever fragmentation holds) instead of
+returning it to the system, and a single-device CPU computation no longer overlaps the Python that
+dispatched it. That suits a CPU training or serving process, so ``auto`` applies it only where JAX
+can only run on the CPU. It must run before JAX's backend starts (the first ``jax.devices()`` or
+array); later it is skipped. The ``tmax-jax`` CLI calls it for every command that runs JAX.
 
 ``TMAX_JAX_HOST_MALLOC`` overrides the mode: ``auto`` (default), ``reuse`` (always), ``system``
-(leave glibc's defaults).
+(leave glibc and JAX as they are).
 """
 
 from __future__ import annotations
@@ -41,7 +44,6 @@ MODES = ("auto", "reuse", "system")
 # glibc's mallopt parameter numbers (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
-_M_ARENA_MAX = -8
 _TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int
 
 _applied: str | None = None
@@ -108,9 +110,12 @@ def configure(mode: str | None = None) -> str:
     if _jax_backend_started():
         # Not cached: a caller may retry in a fresh process, and we say so every time here.
         return "skipped: the JAX backend has already started its threads"
-    for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)):
+    for param, value in ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)):
         if libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) != 1:
             _applied = f"skipped: mallopt({param}, {value}) refused"
             return _applied
+    import jax
+
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
     _applied = "reuse"
     return _applied

@@ -24,7 +24,7 @@ def register(subparsers) -> None:
     )
     p.add_argument("--concurrency", type=int, default=0, help="sandboxes at once (default: CPU count)")
     p.add_argument("--out", type=Path, help="report path (default DIR/calibration.json)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, uses_jax=False)
 
 
 def run(args) -> int:

@@ -9,7 +9,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("corpus-stats", help="axis balance and difficulty tables of a task corpus")
     p.add_argument("dir", type=Path, help="directory of TMAX/Harbor tasks")
     p.add_argument("--plots", type=Path, help="where to write PNG plots (default DIR/stats)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, uses_jax=False)
 
 
 def run(args) -> int:

@@ -46,7 +46,7 @@ def register(subparsers) -> None:
     p.add_argument(
         "--decontaminate", type=Path, help="benchmark task dir: drop tasks sharing a 13-gram with it"
     )
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, uses_jax=False)
 
 
 @dataclass

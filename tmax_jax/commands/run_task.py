@@ -41,12 +41,12 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("run-task", help="run one Harbor/TMAX task in a sandbox and print its reward")
     p.add_argument("task_dir", type=Path, help="a Harbor (task.toml) or TMAX (task.json) task directory")
     _common(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, uses_jax=False)
     q = subparsers.add_parser("run-tasks", help="run every task under a directory on the sandbox pool")
     q.add_argument("dir", type=Path, help="directory searched for task dirs")
     q.add_argument("--concurrency", type=int, default=0, help="sandboxes at once (default: CPU count)")
     _common(q)
-    q.set_defaults(func=run_many)
+    q.set_defaults(func=run_many, uses_jax=False)
 
 
 def _config(args):
