@@ -84,6 +84,40 @@ def forward_flops(cfg: Qwen35Config, n_matmul_params: int, batch: int, seq: int)
     return 2.0 * n_matmul_params * tokens + attn + delta
 
 
+def matmul_shapes(model) -> dict[tuple[int, int], int]:
+    """The forward's weight matmuls as {(K, N): count}: every stacked ``*_proj`` weight (a layer
+    period's stack of them) and the LM head. The mixers' own work (delta rule, attention scores,
+    conv) and every elementwise op are left out."""
+    shapes: dict[tuple[int, int], int] = {}
+    for path, w in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
+        name = str(getattr(path[-2] if len(path) > 1 else path[-1], "key", ""))
+        if not name.endswith("_proj"):
+            continue
+        stack, dims = w.shape[0], w.shape[1:]
+        if name in ("o_proj", "down_proj", "out_proj"):  # [..., D]: contracts everything but the last
+            k, n = int(np.prod(dims[:-1])), dims[-1]
+        else:
+            k, n = dims[0], int(np.prod(dims[1:]))
+        shapes[(k, n)] = shapes.get((k, n), 0) + stack
+    d, v = model.config.hidden_size, model.config.vocab_size
+    shapes[(d, v)] = shapes.get((d, v), 0) + 1
+    return shapes
+
+
+def matmul_bound(model, tokens: int, repeats: int) -> tuple[float, float]:
+    """(seconds, GFLOP) of the forward's weight matmuls at ``tokens`` rows, each shape timed alone
+    in float32 (best of ``repeats``): a lower bound on the forward's time on this host."""
+    total_s = total_flop = 0.0
+    rng = np.random.default_rng(0)
+    mm = jax.jit(jnp.matmul)
+    for (k, n), count in matmul_shapes(model).items():
+        x = jnp.asarray(rng.standard_normal((tokens, k)), jnp.float32)
+        w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+        total_s += count * best_of(lambda x=x, w=w: mm(x, w).block_until_ready(), repeats)
+        total_flop += count * 2.0 * tokens * k * n
+    return total_s, total_flop / 1e9
+
+
 def bench_cpu(args) -> None:
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
@@ -120,6 +154,12 @@ def bench_cpu(args) -> None:
     print(
         f"prefill  jax {tokens / jax_s:10.0f} tok/s   transformers {tokens / torch_s:10.0f} tok/s   "
         f"ratio jax/transformers = {torch_s / jax_s:.2f}x   (max |logit diff| {diff:.1e})"
+    )
+    bound_s, gflop = matmul_bound(model, tokens, max(args.repeats, 3))
+    print(
+        f"matmul bound: the forward's {gflop:.0f} GFLOP of weight matmuls, each shape timed alone, take "
+        f"{bound_s:.3f} s ({gflop / bound_s:.0f} GFLOP/s); jax {jax_s:.3f} s, transformers {torch_s:.3f} s: "
+        f"ceiling of the ratio {torch_s / bound_s:.2f}x"
     )
     bench_delta_rule(args.delta_seq, args.repeats)
 
