@@ -108,7 +108,7 @@ def configure(mode: str | None = None) -> str:
         _applied = "skipped: not glibc"
         return _applied
     if _jax_backend_started():
-        # Not cached: a caller may retry in a fresh process, and we say so every time here.
+        # Not cached: every later caller is told the same.
         return "skipped: the JAX backend has already started its threads"
     for param, value in ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)):
         if libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) != 1:
