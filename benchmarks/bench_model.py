@@ -85,13 +85,13 @@ def forward_flops(cfg: Qwen35Config, n_matmul_params: int, batch: int, seq: int)
 
 
 def matmul_shapes(model) -> dict[tuple[int, int], int]:
-    """The forward's weight matmuls as {(K, N): count}: every stacked ``*_proj`` weight (a layer
-    period's stack of them) and the LM head. The mixers' own work (delta rule, attention scores,
+    """The forward's weight matmuls as {(K, N): count}: every stacked projection weight (``*_proj``
+    and the DeltaNet's ``in_proj_*``; a layer period's stack of them) and the LM head. The mixers' own work (delta rule, attention scores,
     conv) and every elementwise op are left out."""
     shapes: dict[tuple[int, int], int] = {}
     for path, w in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
         name = str(getattr(path[-2] if len(path) > 1 else path[-1], "key", ""))
-        if not name.endswith("_proj"):
+        if not (name.endswith("_proj") or name.startswith("in_proj_")):
             continue
         stack, dims = w.shape[0], w.shape[1:]
         if name in ("o_proj", "down_proj", "out_proj"):  # [..., D]: contracts everything but the last
