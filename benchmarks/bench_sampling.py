@@ -1,5 +1,6 @@
 """Sampling cost per decode step at Qwen 3.5's vocabulary: top-p from a partial top-k (the engine's
-path) against the full-vocabulary sort it replaces, and against no truncation, in one run.
+path) against the full-vocabulary sort it replaces, and against no truncation, in one run; then the
+Gumbel noise of a sampled step, the engine's unrolled Threefry against ``jax.random.gumbel``.
 
     python3 benchmarks/bench_sampling.py [--slots 16] [--vocab 248320] [--top-p 0.95] [--repeats 3]
 
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tmax_jax.engine.sampling import gumbel_rows
 from tmax_jax.rl.logprobs import PARTIAL_TOP_K, truncate, truncation_threshold
 
 
@@ -62,6 +64,16 @@ def main() -> None:
             f"{t_full:.1f} ms, engine path {t_partial:.1f} ms (same kept logits: {same}), no truncation "
             f"{t_none:.1f} ms; sort / engine {t_full / t_partial:.2f}x"
         )
+    keys = jax.random.split(jax.random.key(0), args.slots)
+    V = args.vocab
+    ours = jax.jit(lambda k: gumbel_rows(k, V))
+    theirs = jax.jit(lambda k: jax.vmap(lambda r: jax.random.gumbel(r, (V,), jnp.float32))(k))
+    same = bool(jnp.all(ours(keys) == theirs(keys)))
+    t_ours, t_theirs = timed(ours, keys, repeats=args.repeats), timed(theirs, keys, repeats=args.repeats)
+    print(
+        f"gumbel noise {args.slots} x {V}: jax.random.gumbel {t_theirs:.1f} ms, engine {t_ours:.1f} ms "
+        f"(bit-identical: {same}); {t_theirs / t_ours:.2f}x"
+    )
 
 
 if __name__ == "__main__":

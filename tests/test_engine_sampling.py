@@ -162,3 +162,59 @@ def test_step_keys_depend_only_on_seed_and_step():
 def test_bad_sampling_params_are_named(kwargs, msg):
     with pytest.raises(ConfigError, match=msg):
         SamplingParams(**kwargs)
+
+
+def test_threefry2x32_known_answers():
+    """Random123's published Threefry-2x32 (20 rounds) known-answer vectors, and JAX's own hash."""
+    from jax.extend.random import threefry_2x32
+
+    u = np.uint32
+    cases = [  # (key, counter, expected)
+        ((0, 0), (0, 0), (0x6B200159, 0x99BA4EFE)),
+        ((0xFFFFFFFF, 0xFFFFFFFF), (0xFFFFFFFF, 0xFFFFFFFF), (0x1CB996FC, 0xBB002BE7)),
+        ((0x13198A2E, 0x03707344), (0x243F6A88, 0x85A308D3), (0xC4923A9C, 0x483DF7A0)),
+    ]
+    for key, ctr, want in cases:
+        got = sampling.threefry2x32(*(jnp.asarray(u(v)) for v in (*key, *ctr)))
+        assert tuple(int(w) for w in got) == want
+    key = jnp.asarray([0x9E3779B9, 0x7F4A7C15], jnp.uint32)
+    ctr = jnp.arange(2 * 999, dtype=jnp.uint32)
+    mine = np.concatenate(
+        [np.asarray(w) for w in sampling.threefry2x32(key[0], key[1], ctr[:999], ctr[999:])]
+    )
+    np.testing.assert_array_equal(mine, np.asarray(threefry_2x32(key, ctr)))
+
+
+@pytest.mark.parametrize("S,V", [(8, 4096), (3, 1001), (1, 7), (2, 250_000)])
+def test_gumbel_rows_are_jax_gumbel_bit_for_bit(S, V):
+    """The unrolled-hash noise is JAX's per-row ``random.gumbel`` exactly, so seeds keep their
+    samples."""
+    keys = jax.random.split(jax.random.key(11 + S), S)
+    keys = jax.vmap(jax.random.fold_in)(keys, jnp.arange(S, dtype=jnp.uint32) * 977 + 3)
+    ref = jax.jit(lambda k: jax.vmap(lambda r: jax.random.gumbel(r, (V,), jnp.float32))(k))(keys)
+    got = jax.jit(lambda k: sampling.gumbel_rows(k, V))(keys)
+    assert got.shape == (S, V) and got.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(ref).view(np.uint32))
+    assert np.isfinite(np.asarray(got)).all()
+
+
+def test_gumbel_rows_defer_to_jax_where_it_draws_otherwise():
+    """Another key implementation, another dtype or high-range Gumbel: JAX's draw, unchanged."""
+    V = 257
+    rbg = jax.random.split(jax.random.key(3, impl="rbg"), 2)
+    ref = jax.vmap(lambda r: jax.random.gumbel(r, (V,), jnp.float32))(rbg)
+    np.testing.assert_array_equal(np.asarray(sampling.gumbel_rows(rbg, V)), np.asarray(ref))
+    keys = jax.random.split(jax.random.key(4), 2)
+    ref16 = jax.vmap(lambda r: jax.random.gumbel(r, (V,), jnp.bfloat16))(keys)
+    np.testing.assert_array_equal(
+        np.asarray(sampling.gumbel_rows(keys, V, jnp.bfloat16), np.float32), np.asarray(ref16, np.float32)
+    )
+    before = jax.config.jax_high_dynamic_range_gumbel
+    jax.config.update("jax_high_dynamic_range_gumbel", True)
+    try:
+        high = jax.vmap(lambda r: jax.random.gumbel(r, (V,), jnp.float32))(keys)
+        np.testing.assert_array_equal(np.asarray(sampling.gumbel_rows(keys, V)), np.asarray(high))
+    finally:
+        jax.config.update("jax_high_dynamic_range_gumbel", before)
+    low = jax.vmap(lambda r: jax.random.gumbel(r, (V,), jnp.float32))(keys)
+    assert not np.array_equal(np.asarray(high), np.asarray(low))  # the switch did change JAX's draw

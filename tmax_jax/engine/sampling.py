@@ -91,7 +91,7 @@ def sample(
     V = logits_SxV.shape[-1]
 
     def noisy(kept):  # jax.random.categorical's Gumbel-max draw, noise added the same way
-        return jax.vmap(lambda k, row: jax.random.gumbel(k, (V,), row.dtype) + row)(keys_S, kept)
+        return gumbel_rows(keys_S, V, kept.dtype) + kept
 
     # One argmax for every row: of the logits where greedy, of Gumbel noise + kept logits where not
     # (no random draw at all when every row is greedy).
@@ -103,6 +103,61 @@ def sample(
     )
     tokens_S = first_argmax(scores_SxV)
     return tokens_S, logprob_at(kept_SxV, tokens_S)
+
+
+# Threefry-2x32 with 20 rounds (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011),
+# the block function of JAX's default PRNG: rotation constants of the even and odd groups of four
+# rounds, and the parity word of the key schedule.
+_THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+_THREEFRY_PARITY = np.uint32(0x1BD11BDA)
+
+
+def threefry2x32(k0: jax.Array, k1: jax.Array, c0: jax.Array, c1: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The Threefry-2x32 block function of key (k0, k1) at counter (c0, c1): uint32 arrays that
+    broadcast together. The 20 rounds are written out, so XLA fuses the whole hash into one
+    elementwise pass (JAX's own CPU lowering runs them as a five-trip loop over the whole array)."""
+    u32 = np.uint32
+    keys = (k0, k1, k0 ^ k1 ^ _THREEFRY_PARITY)
+    x0, x1 = c0 + keys[0], c1 + keys[1]
+    for group in range(5):
+        for r in _THREEFRY_ROTATIONS[group % 2]:
+            x0 = x0 + x1
+            x1 = ((x1 << u32(r)) | (x1 >> u32(32 - r))) ^ x0
+        x0 = x0 + keys[(group + 1) % 3]
+        x1 = x1 + keys[(group + 2) % 3] + u32(group + 1)
+    return x0, x1
+
+
+def gumbel_rows(keys_S: jax.Array, n: int, dtype=jnp.float32) -> jax.Array:
+    """``[S, n]`` Gumbel noise, row s drawn with ``keys_S[s]``: bit for bit
+    ``jax.vmap(lambda k: jax.random.gumbel(k, (n,), dtype))(keys_S)``.
+
+    On CPU, where JAX's Threefry lowering is a rolled loop, this is ~5x faster (8 x 4,096 draws:
+    ~33 vs ~160 us for the bits). It draws the bits as JAX's partitionable Threefry does (counter
+    = flat index, output = the XOR of the two words) and turns them into noise as its low-range
+    Gumbel does (23 bits -> uniform in [tiny, 1) -> -log(-log(u))); where JAX would draw otherwise
+    (another PRNG implementation, non-partitionable Threefry, high-range Gumbel, not float32) it
+    calls JAX."""
+    dtype = jnp.dtype(dtype)
+    if (
+        str(jax.random.key_impl(keys_S)) != "threefry2x32"
+        or not jax.config.jax_threefry_partitionable
+        or jax.config.jax_high_dynamic_range_gumbel
+        or dtype != jnp.float32
+        or n >= 2**32
+    ):
+        return jax.vmap(lambda k: jax.random.gumbel(k, (n,), dtype))(keys_S)
+    data_Sx2 = jax.random.key_data(keys_S)
+    counter_1xN = jnp.arange(n, dtype=jnp.uint32)[None]
+    w0, w1 = threefry2x32(data_Sx2[:, :1], data_Sx2[:, 1:], jnp.zeros_like(counter_1xN), counter_1xN)
+    bits = w0 ^ w1
+    # The top 23 bits as the mantissa of a float in [1, 2), minus 1: uniform in [0, 1); then moved
+    # onto [tiny, 1) so that both logarithms are finite.
+    one = np.float32(1.0)
+    u = jax.lax.bitcast_convert_type((bits >> np.uint32(9)) | one.view(np.uint32), jnp.float32) - one
+    tiny = np.float32(np.finfo(np.float32).tiny)
+    u = jnp.maximum(tiny, u * (one - tiny) + tiny)
+    return -jnp.log(-jnp.log(u))
 
 
 def first_argmax(x_SxV: jax.Array) -> jax.Array:
