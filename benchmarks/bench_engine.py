@@ -76,6 +76,48 @@ def warm_prefill(engine, plen: int, vocab: int) -> None:
         b *= 2
 
 
+def weight_matrices(model, head: bool = True) -> list:
+    """Every weight a forward step multiplies by, as its own ``[K, N]`` buffer: each layer's
+    projections (a stack of layers split outside any jit, so no copy is timed) and, with ``head``,
+    the LM head."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    mats = []
+    for path, w in jax.tree_util.tree_leaves_with_path(nnx.state(model.blocks, nnx.Param)):
+        name = str(getattr(path[-2] if len(path) > 1 else path[-1], "key", ""))
+        if not (name.endswith("_proj") or name.startswith("in_proj_")):
+            continue
+        for layer in np.asarray(w):
+            if name in ("o_proj", "down_proj", "out_proj"):  # [..., D]: contracts all but the last
+                mats.append(jnp.asarray(layer.reshape(-1, layer.shape[-1])))
+            else:
+                mats.append(jnp.asarray(layer.reshape(layer.shape[0], -1)))
+    if head:
+        mats.append(jnp.asarray(np.asarray(model.lm_head_weight())))
+    return mats
+
+
+def matmul_floor_s(model, rows: int, head: bool = True, repeats: int = 30) -> tuple[float, float]:
+    """(seconds, weight bytes) of one program that does nothing but a step's weight matmuls at
+    ``rows`` rows, all independent (XLA may overlap them): the least time those matmuls take on this
+    host, short of reading fewer weight bytes (a decode step, few rows) or doing fewer FLOPs (a
+    prefill, many rows). Best of ``repeats``."""
+    import jax.numpy as jnp
+
+    mats = weight_matrices(model, head)
+    rng = np.random.default_rng(0)
+    xs = {k: jnp.asarray(rng.standard_normal((rows, k)), jnp.float32) for k in {m.shape[0] for m in mats}}
+    run = jax.jit(lambda xs, mats: [xs[m.shape[0]] @ m.astype(jnp.float32) for m in mats])
+    jax.block_until_ready(run(xs, mats))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(xs, mats))
+        best = min(best, time.perf_counter() - t0)
+    return best, float(sum(m.size * m.dtype.itemsize for m in mats))
+
+
 def bench_engine(model, prompts: np.ndarray, new: int, cache_dtype) -> dict:
     from tmax_jax.engine import Engine, Orchestrator, Request, SamplingParams
 
@@ -284,6 +326,15 @@ def main() -> None:
         print(f"generate(): {args.api_prompts} prompts x {args.api_prompt_len} tokens, {args.new} sampled: engine "
               f"{a['tok_s']:.0f} tok/s, HF {a['hf_tok_s']:.0f} tok/s ({a['tok_s'] / a['hf_tok_s']:.1f}x; best of 3 "
               f"warm calls each; the first engine call, compiling, took {a['cold_s']:.1f} s)")  # fmt: skip
+        n = args.api_prompts
+        floor_s, nbytes = matmul_floor_s(model, n)
+        prefill_s, _ = matmul_floor_s(model, n * args.api_prompt_len, head=False, repeats=5)
+        hf_call_s = n * args.new / a["hf_tok_s"]
+        print(f"matmul floor: a decode step's weight matmuls alone at {n} rows ({nbytes / 2**20:.1f} MiB of "
+              f"weights) take {floor_s * 1e3:.2f} ms ({nbytes / floor_s / 1e9:.1f} GB/s; the engine's step at 8 "
+              f"slots: {step_ms.get(8, float('nan')):.2f} ms), the prefill's ({n} x {args.api_prompt_len} rows, no "
+              f"head) {prefill_s * 1e3:.1f} ms; {args.new} steps and one prefill at the floor cap the generate() "
+              f"ratio at {hf_call_s / (args.new * floor_s + prefill_s):.1f}x")  # fmt: skip
     if args.long_keys > 0:
         ms = bench_long(model, 8, args.long_keys, dtype)
         print(f"long cache: 8 slots attending over {args.long_keys} keys: {ms:.2f} ms per decode step")
