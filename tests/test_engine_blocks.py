@@ -353,3 +353,37 @@ def test_update_params_with_copy_owns_every_buffer(model, unroll):
     assert sorted(got) == sorted(want)
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_update_params_keeps_the_weights_made_from_the_same_arrays(tmp_path):
+    """``generate()`` hands the engine the model's state at every call: the same array objects keep the
+    weights the engine made from them (no second split into periods), still as a new version with an
+    empty prompt cache; new arrays, even equal ones, are split again, and a model whose weights changed
+    generates from the new ones."""
+    from tmax_jax.engine import generate
+    from tmax_jax.engine.api import _ENGINES
+
+    model = load_hf(make_tiny_hf_checkpoint(tmp_path, seed=5))
+    eng = Engine(model, max_concurrent_decodes=2, max_cache_length=64, max_prefill_length=16)
+    made = eng.params
+    assert isinstance(made, PeriodParams)
+    assert eng.update_params(nnx.state(model)) == 1
+    assert eng.params is made
+    assert eng.update_params(jax.tree.map(lambda a: a + 0, nnx.state(model))) == 2
+    assert eng.params is not made
+
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    first = generate(model, prompts, max_new_tokens=6, temperature=0.0)
+    engine = next(iter(_ENGINES[model].values()))
+    kept = engine.params
+    again = generate(model, prompts, max_new_tokens=6, temperature=0.0)
+    assert engine.params is kept
+    assert [o.tokens for o in again] == [o.tokens for o in first]
+    np.testing.assert_array_equal([o.logprobs for o in again], [o.logprobs for o in first])
+    # New weights in the model (the head scaled): generate() reads them, the logprobs change.
+    state = nnx.state(model)
+    state["embed_tokens"] = jax.tree.map(lambda a: a * 3.0, state["embed_tokens"])
+    nnx.update(model, state)
+    changed = generate(model, prompts, max_new_tokens=6, temperature=0.0)
+    assert engine.params is not kept
+    assert not np.allclose(changed[0].logprobs, first[0].logprobs, atol=1e-3)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -112,6 +113,25 @@ class PeriodParams(struct.PyTreeNode):
 def _rest(state: Any) -> nnx.State:
     """The model's state without its block stack (``PeriodParams.rest``)."""
     return nnx.State({k: v for k, v in state.items() if k != "blocks"})
+
+
+def _leaf_refs(state: Any) -> tuple | None:
+    """Weak references to the leaves of a model state the engine's weights are made from (None for
+    the engine's own form, or leaves that take no weak reference)."""
+    if isinstance(state, PeriodParams):
+        return None
+    try:
+        return tuple(weakref.ref(a) for a in jax.tree.leaves(state))
+    except TypeError:
+        return None
+
+
+def _same_leaves(refs: tuple | None, leaves: list) -> bool:
+    return (
+        refs is not None
+        and len(refs) == len(leaves)
+        and all(r() is a and not a.is_deleted() for r, a in zip(refs, leaves))
+    )
 
 
 def _next_pow2(n: int) -> int:
@@ -213,6 +233,7 @@ class Engine(EngineAPI):
         self._own_periods_jit = launch.jit(self._own_periods_impl)
         self._copy_jit = launch.jit(lambda tree: jax.tree.map(jnp.copy, tree))
         self._params = self._engine_params(state)
+        self._source = _leaf_refs(state)
         self._version = 0
         self._lock = threading.Lock()
         self._slots = max_concurrent_decodes
@@ -320,6 +341,10 @@ class Engine(EngineAPI):
         The jitted prefill/generate take parameters as arguments, so this never recompiles. Returns
         the new policy version (``version`` if given, else the previous one + 1).
 
+        Given the very arrays the current weights were made from (``generate()`` passes the model's
+        state at every call), the engine keeps the weights it made from them instead of splitting
+        them into periods again; the version and the prompt cache change as for new weights.
+
         ``copy``: the engine keeps weights in buffers of its own, made by one program, so the caller
         may donate or overwrite ``new_params`` afterwards (a train step's state). Splitting the block
         stack into periods is itself that copy for the blocks, so the caller needs none of its own
@@ -342,9 +367,15 @@ class Engine(EngineAPI):
                     f"update_params: {jax.tree_util.keystr(path_leaf[0])} is {b.shape} {b.dtype}, "
                     f"expected {a.shape} {a.dtype}"
                 )
-        new_params = self._engine_params(new_params, copy=copy)
+        # JAX arrays are immutable: the same array objects hold the same values.
+        same = (
+            not copy and not isinstance(new_params, PeriodParams) and _same_leaves(self._source, new_leaves)
+        )
+        source = self._source if same else (None if copy else _leaf_refs(new_params))
+        new_params = self._params if same else self._engine_params(new_params, copy=copy)
         with self._lock:
             self._params = new_params
+            self._source = source
             self._version = self._version + 1 if version is None else int(version)
             self._prompt_cache.clear()  # prefilled with the old weights
             return self._version
