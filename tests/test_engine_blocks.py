@@ -369,7 +369,9 @@ def test_update_params_keeps_the_weights_made_from_the_same_arrays(tmp_path):
     assert isinstance(made, PeriodParams)
     assert eng.update_params(nnx.state(model)) == 1
     assert eng.params is made
-    assert eng.update_params(jax.tree.map(lambda a: a + 0, nnx.state(model))) == 2
+    assert eng.update_params(model) == 2  # the module itself: its leaves are checked first
+    assert eng.params is made
+    assert eng.update_params(jax.tree.map(lambda a: a + 0, nnx.state(model))) == 3
     assert eng.params is not made
 
     prompts = [[5, 6, 7, 8], [9, 10, 11]]

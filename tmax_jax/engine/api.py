@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
-from flax import nnx
 
 from tmax_jax.engine.engine import Engine, _next_pow2
 from tmax_jax.engine.orchestrator import Completion, Orchestrator, Request
@@ -42,7 +41,7 @@ def _engine_for(model: Any, slots: int, max_len: int, max_prefill: int, cache_dt
         )
         per_model[key] = engine
     else:
-        engine.update_params(nnx.state(model))
+        engine.update_params(model)
     return engine
 
 

@@ -351,6 +351,10 @@ class Engine(EngineAPI):
         (which would be a second full copy of the weights alive during the swap).
         """
         if isinstance(new_params, nnx.Module):
+            # A model whose leaves are the arrays the weights came from skips its state's (slower)
+            # graph walk; an unusual order of leaves just takes the full path below.
+            if not copy and _same_leaves(self._source, jax.tree.leaves(new_params)):
+                return self._swap(self._params, self._source, version)
             new_params = nnx.state(new_params)
         # The engine's own form (``params``) is checked against its current weights, the model's
         # state against the model's shapes (and then split into periods: one copy of the blocks).
@@ -368,13 +372,14 @@ class Engine(EngineAPI):
                     f"expected {a.shape} {a.dtype}"
                 )
         # JAX arrays are immutable: the same array objects hold the same values.
-        same = (
-            not copy and not isinstance(new_params, PeriodParams) and _same_leaves(self._source, new_leaves)
-        )
-        source = self._source if same else (None if copy else _leaf_refs(new_params))
-        new_params = self._params if same else self._engine_params(new_params, copy=copy)
+        if not copy and not isinstance(new_params, PeriodParams) and _same_leaves(self._source, new_leaves):
+            return self._swap(self._params, self._source, version)
+        source = None if copy else _leaf_refs(new_params)
+        return self._swap(self._engine_params(new_params, copy=copy), source, version)
+
+    def _swap(self, params: Any, source: tuple | None, version: int | None) -> int:
         with self._lock:
-            self._params = new_params
+            self._params = params
             self._source = source
             self._version = self._version + 1 if version is None else int(version)
             self._prompt_cache.clear()  # prefilled with the old weights
