@@ -127,10 +127,12 @@ def _leaf_refs(state: Any) -> tuple | None:
 
 
 def _same_leaves(refs: tuple | None, leaves: list) -> bool:
+    """Whether ``leaves`` are the very (live, immutable) JAX arrays ``refs`` point to. NumPy leaves
+    never count: they can change in place."""
     return (
         refs is not None
         and len(refs) == len(leaves)
-        and all(r() is a and not a.is_deleted() for r, a in zip(refs, leaves))
+        and all(isinstance(a, jax.Array) and r() is a and not a.is_deleted() for r, a in zip(refs, leaves))
     )
 
 
