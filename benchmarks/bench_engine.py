@@ -7,7 +7,8 @@ token (continuous decoding); ``step-only`` = the jitted decode alone, in blocks 
 are against transformers' generate tokens/s (prefill included) on the same prompts. The last lines:
 the decode-step time ratio between the largest and 8 slots, the acceptance check's shape (the
 project's ``generate()``, 8 sampled prompts of 64 tokens, against transformers' sampled ``generate``),
-a decode step over a long cache, and a GRPO-style group case
+the matmul floor of that case (its weight matmuls alone, and the ratio they cap), the same case on
+the ``tiny`` preset (``--api-preset``), a decode step over a long cache, and a GRPO-style group case
 (``--group-samples`` sampled completions of each of ``--group-prompts`` prompts) with the number of
 prompt rows the engine prefilled.
 
@@ -278,6 +279,11 @@ def main() -> None:
     ap.add_argument("--group-samples", type=int, default=32, help="group case: samples per prompt")
     ap.add_argument("--api-prompts", type=int, default=8, help="generate() case: prompts (0 = skip)")
     ap.add_argument("--api-prompt-len", type=int, default=64)
+    ap.add_argument(
+        "--api-preset",
+        default="tiny",
+        help="the generate() case again on this Qwen35Config preset's random weights ('' = skip)",
+    )
     ap.add_argument("--long-keys", type=int, default=4096, help="long-cache decode case: keys (0 = skip)")
     args = ap.parse_args()
 
@@ -328,13 +334,27 @@ def main() -> None:
               f"warm calls each; the first engine call, compiling, took {a['cold_s']:.1f} s)")  # fmt: skip
         n = args.api_prompts
         floor_s, nbytes = matmul_floor_s(model, n)
-        prefill_s, _ = matmul_floor_s(model, n * args.api_prompt_len, head=False, repeats=5)
+        prefill_s, _ = matmul_floor_s(model, n * args.api_prompt_len, head=False, repeats=10)
         hf_call_s = n * args.new / a["hf_tok_s"]
         print(f"matmul floor: a decode step's weight matmuls alone at {n} rows ({nbytes / 2**20:.1f} MiB of "
               f"weights) take {floor_s * 1e3:.2f} ms ({nbytes / floor_s / 1e9:.1f} GB/s; the engine's step at 8 "
               f"slots: {step_ms.get(8, float('nan')):.2f} ms), the prefill's ({n} x {args.api_prompt_len} rows, no "
               f"head) {prefill_s * 1e3:.1f} ms; {args.new} steps and one prefill at the floor cap the generate() "
               f"ratio at {hf_call_s / (args.new * floor_s + prefill_s):.1f}x")  # fmt: skip
+    if args.api_prompts > 0 and args.api_preset and hf is not None and not args.skip_hf:
+        small = Qwen35Config.preset(args.api_preset)
+        small_kw = {k: v for k, v in small.to_hf_config().items() if k not in ("architectures", "model_type")}
+        small_hf = hf_model(small_kw)
+        with tempfile.TemporaryDirectory() as d:
+            small_hf.save_pretrained(d)
+            small_model = load_hf(d, args.dtype)
+        prompts = rng.integers(0, small.vocab_size, size=(args.api_prompts, args.api_prompt_len)).astype(
+            np.int32
+        )
+        a = bench_api(small_model, small_hf, prompts, args.new)
+        print(f"generate() on the {args.api_preset!r} preset (hidden {small.hidden_size}, {small.num_hidden_layers} "
+              f"layers), same shape: engine {a['tok_s']:.0f} tok/s, HF {a['hf_tok_s']:.0f} tok/s "
+              f"({a['tok_s'] / a['hf_tok_s']:.1f}x)")  # fmt: skip
     if args.long_keys > 0:
         ms = bench_long(model, 8, args.long_keys, dtype)
         print(f"long cache: 8 slots attending over {args.long_keys} keys: {ms:.2f} ms per decode step")
