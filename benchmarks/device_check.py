@@ -187,6 +187,36 @@ def head_tolerance(dtype) -> float:
     return 2.0 * 2.0 ** -jnp.finfo(dtype).nmant
 
 
+def _check_f32_dot(M, D, V, repeats):
+    """Each ``TMAX_JAX_F32_DOT`` algorithm on a head-shaped float32 matmul ``[M, D] @ [D, V]``: its
+    error against float64 (relative to the largest logit) and its time on the device."""
+    from tmax_jax.models.qwen35.numerics import F32_DOT_ALGORITHMS
+
+    rng = np.random.default_rng(3)
+    h = rng.standard_normal((M, D)).astype(np.float32)
+    w = (0.02 * rng.standard_normal((D, V))).astype(np.float32)
+    ref = h.astype(np.float64) @ w.astype(np.float64)
+    hd, wd = jnp.asarray(h), jnp.asarray(w)
+    for name, algorithm in F32_DOT_ALGORITHMS.items():
+        precision = None if jax.default_backend() == "cpu" else algorithm
+        fn = jax.jit(
+            lambda a, b, p=precision: jnp.einsum(
+                "md,dv->mv", a, b, precision=p, preferred_element_type=jnp.float32
+            )
+        )
+        try:
+            out = np.asarray(fn(hd, wd), np.float64)
+            _, med = timed(lambda fn=fn: fn(hd, wd), repeats)
+        except Exception as e:  # noqa: BLE001 (an algorithm this device lacks)
+            say(f"[check] f32 dot {name:8s} failed: {type(e).__name__}: {str(e)[:160]}")
+            continue
+        err = np.abs(out - ref).max() / np.abs(ref).max()
+        say(
+            f"[check] f32 dot {name:8s} [{M}x{D}] @ [{D}x{V}]: max error / max|logit| {err:.1e}  "
+            f"{med * 1e3:8.2f} ms  {2 * M * D * V / med / 1e12:7.1f} TFLOP/s"
+        )
+
+
 def part_check(args):
     """The kernels (kernels="pallas": Triton on GPU, Mosaic on TPU, interpret mode on CPU) against the
     pure-JAX path: outputs, final state and the VJP, float32 inputs, packed rows, T % C != 0. First,
@@ -197,6 +227,8 @@ def part_check(args):
     for shape in head_shapes:
         for hidden_dtype in (jnp.bfloat16, jnp.float32):
             attempt(f"masked head {shape}", _check_masked_head, *shape, hidden_dtype)
+    dot_shape = (64, 32, 256, 2) if args.smoke else (2048, 2048, 32768, 10)
+    attempt(f"f32 dot {dot_shape}", _check_f32_dot, *dot_shape)
 
     _, launcher, interpret = resolve_kernels("pallas")
     impls = implementations(args.smoke)
@@ -506,10 +538,23 @@ def main():
         "--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS, help="per-device peak for MFU"
     )
     ap.add_argument(
+        "--f32-dot",
+        default=None,
+        help="TMAX_JAX_F32_DOT for this part (highest, bf16x6, bf16x3, tf32x3): the head's and the "
+        "delta rule's float32 matmuls",
+    )
+    ap.add_argument(
         "--smoke", action="store_true", help="tiny sizes; runs on CPU (kernels in interpret mode)"
     )
     args = ap.parse_args()
-    say(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
+    if args.f32_dot is not None:
+        os.environ["TMAX_JAX_F32_DOT"] = args.f32_dot
+    from tmax_jax.models.qwen35.numerics import f32_dot_setting
+
+    say(
+        f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}, "
+        f"TMAX_JAX_F32_DOT={f32_dot_setting()}"
+    )
     {
         "check": part_check,
         "kernel": part_kernel,

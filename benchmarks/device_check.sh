@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# The accelerator check for issues 15 and 17, at most 9 minutes on one H200:
-#   1. the masked LM head against the whole head, and the Pallas delta-rule kernels against the
-#      pure-JAX path, on the device (values, VJP);
-#   2. the delta rule's ms, tokens/s, TFLOP/s and compiled temporaries, JAX path vs kernels (T=32K);
-#   3. 2B train steps at 32K, 8K and 64K tokens: tokens/s, MFU, peak device memory;
-#   4. the rollout engine's 0.8B bfloat16 decode at 64 and 256 slots: ms per step, tokens/s;
-#   5. a profile of one 2B step at 8K tokens: its busiest GPU kernels (trace copied to $OUT).
+# The accelerator check for issues 15 and 17, at most 10 minutes on one H100/H200:
+#   1. the masked LM head against the whole head (bfloat16 and float32 hidden states), each
+#      TMAX_JAX_F32_DOT algorithm's error and speed on a head-shaped float32 matmul, then the Pallas
+#      delta-rule kernels against the pure-JAX path (values, VJP; last: they hung on GPUs so far);
+#   2. 2B train steps at 8K, 32K and 64K tokens with TMAX_JAX_F32_DOT=bf16x6 (the float32 head on
+#      tensor cores), and at 8K with the default (exact float32 on CUDA cores) as the baseline of the
+#      same machine: tokens/s, MFU, peak device memory;
+#   3. the rollout engine's 0.8B bfloat16 decode at 64 and 256 slots: ms per step, tokens/s;
+#   4. a profile of one 2B step at 8K tokens (bf16x6): its busiest GPU kernels (trace copied to $OUT);
+#   5. the delta rule's ms, tokens/s, TFLOP/s and compiled temporaries, JAX path vs kernels (T=32K).
 # Each part runs in its own process under its own limit (a crash or hang loses only that part); the
-# limits add up to under 9 minutes with their kill grace.
+# limits add up to under 10 minutes with their kill grace. Figures of the last runs: tpu/README.md.
 #   bash benchmarks/device_check.sh            # on the accelerator host
 #   bash benchmarks/device_check.sh --smoke    # tiny sizes on a CPU, to prove the script runs
 set -u
@@ -20,7 +23,7 @@ SMOKE=()
 SCALE=1
 if [ "${1:-}" = "--smoke" ]; then SMOKE=(--smoke); SCALE=3; fi  # 2 shared CPU cores compile slowly
 START=$SECONDS
-BUDGET=$((510 * SCALE))
+BUDGET=$((560 * SCALE))
 
 part() {
   local limit=$(( $1 * SCALE )); shift
@@ -35,9 +38,10 @@ part() {
 }
 
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-part 100 --part check
-part 120 --part kernel
-part 130 --part train --size 2b  # first: the issue's MFU aim is the 2B step at 32K tokens
-part 70 --part engine --size 0.8b  # issue 17: bf16 decode at 64 and 256 slots
-part 80 --part profile --size 2b --tokens 8192  # where the 2B step's time goes (6% MFU on 2026-12-04)
+part 70 --part check
+part 200 --part train --size 2b --tokens 8192,32768,65536 --f32-dot bf16x6  # the MFU aim: 2B at 32K
+part 70 --part train --size 2b --tokens 8192 --f32-dot highest  # the baseline on the same machine
+part 100 --part engine --size 0.8b  # issue 17: bf16 decode at 64 and 256 slots
+part 50 --part profile --size 2b --tokens 8192 --f32-dot bf16x6  # where the step's time goes
+part 60 --part kernel
 echo "=== device check done in $((SECONDS - START))s"

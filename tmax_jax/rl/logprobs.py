@@ -33,11 +33,14 @@ class LogprobInputError(TmaxError, ValueError):
     """hidden / lm_head / targets disagree in shape or dtype."""
 
 
-def head_precision() -> jax.lax.Precision | None:
-    """The one precision policy of the float32 head: HIGHEST on accelerators, whose default f32 dot
-    may round inputs (TF32 / bf16 passes); the default on CPU, whose f32 dot is already exact (and
-    where HIGHEST was seen to deadlock XLA's thread pool next to LAPACK solves on 2 cores)."""
-    return None if jax.default_backend() == "cpu" else jax.lax.Precision.HIGHEST
+def head_precision():
+    """The one precision policy of the float32 head: the float32-matmul policy of the layer stack
+    (``numerics.f32_matmul_precision``: ``TMAX_JAX_F32_DOT``'s algorithm on accelerators, default
+    HIGHEST, whose default f32 dot may round inputs; the default on CPU, whose f32 dot is exact)."""
+    # Imported here: the models package imports this module.
+    from tmax_jax.models.qwen35.numerics import f32_matmul_precision
+
+    return f32_matmul_precision()
 
 
 def head_logits(hidden_NxD: jax.Array, lm_head_DxV: jax.Array, *, vd: bool = False) -> jax.Array:

@@ -5,17 +5,49 @@ stay float32 (delta-rule state, LM head), loop buffers tied to their data (``zer
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
+from tmax_jax.errors import ConfigError
 
-def f32_matmul_precision() -> jax.lax.Precision | None:
-    """HIGHEST on accelerators, whose default f32 dot may round inputs (TF32 / bf16 passes).
+# How the float32 matmuls that must stay float32 (LM head, delta-rule state) run on an accelerator,
+# by name (environment variable TMAX_JAX_F32_DOT). "highest" is exact float32: on GPUs that is
+# CUDA-core FMA, no tensor cores (an H100 profile of the 2B train step at 8K tokens, 2026-12-05: the
+# head's float32 matmuls were 487 of 1,483 ms of GPU time). The others split each float32 operand
+# into bfloat16 (or TF32) parts and sum their tensor-core products in float32: "bf16x6" is meant
+# to keep float32's error level, "bf16x3" and "tf32x3" to come close to it for less work;
+# ``benchmarks/device_check.py --part check`` measures each against float64 on the device (not yet
+# run on one). On CPU the default f32 dot is exact whatever the setting.
+F32_DOT_ENV = "TMAX_JAX_F32_DOT"
+F32_DOT_ALGORITHMS = {
+    "highest": jax.lax.Precision.HIGHEST,
+    "bf16x6": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6,
+    "bf16x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
+    "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+}
+
+
+def f32_dot_setting() -> str:
+    """The name set in ``TMAX_JAX_F32_DOT`` (default "highest"); a ConfigError for any other name."""
+    name = os.environ.get(F32_DOT_ENV, "highest").strip().lower() or "highest"
+    if name not in F32_DOT_ALGORITHMS:
+        raise ConfigError(f"{F32_DOT_ENV}={name!r}; expected one of {sorted(F32_DOT_ALGORITHMS)}")
+    return name
+
+
+def f32_matmul_precision(backend: str | None = None):
+    """The ``precision`` of the float32 matmuls that must stay float32: ``TMAX_JAX_F32_DOT``'s
+    algorithm on accelerators, whose default f32 dot may round inputs (TF32 / bf16 passes).
 
     On CPU the default f32 dot is already exact float32; asking for HIGHEST there adds nothing and
     was seen to deadlock XLA's CPU thread pool next to LAPACK triangular solves on 2-core machines.
     """
-    return None if jax.default_backend() == "cpu" else jax.lax.Precision.HIGHEST
+    name = f32_dot_setting()  # checked on every backend, so a typo fails on CPU too
+    if (backend or jax.default_backend()) == "cpu":
+        return None
+    return F32_DOT_ALGORITHMS[name]
 
 
 def zeros_after(shape, dtype, after: jax.Array) -> jax.Array:
