@@ -79,21 +79,14 @@ def warm_prefill(engine, plen: int, vocab: int) -> None:
 
 def weight_matrices(model, head: bool = True) -> list:
     """Every weight a forward step multiplies by, as its own ``[K, N]`` buffer: each layer's
-    projections (a stack of layers split outside any jit, so no copy is timed) and, with ``head``,
-    the LM head."""
+    projections (``bench_model.projection_weights``; a stack of layers split outside any jit, so no
+    copy is timed) and, with ``head``, the LM head."""
     import jax.numpy as jnp
-    from flax import nnx
+    from bench_model import projection_weights
 
-    mats = []
-    for path, w in jax.tree_util.tree_leaves_with_path(nnx.state(model.blocks, nnx.Param)):
-        name = str(getattr(path[-2] if len(path) > 1 else path[-1], "key", ""))
-        if not (name.endswith("_proj") or name.startswith("in_proj_")):
-            continue
-        for layer in np.asarray(w):
-            if name in ("o_proj", "down_proj", "out_proj"):  # [..., D]: contracts all but the last
-                mats.append(jnp.asarray(layer.reshape(-1, layer.shape[-1])))
-            else:
-                mats.append(jnp.asarray(layer.reshape(layer.shape[0], -1)))
+    mats = [
+        jnp.asarray(layer.reshape(k, n)) for w, k, n in projection_weights(model) for layer in np.asarray(w)
+    ]
     if head:
         mats.append(jnp.asarray(np.asarray(model.lm_head_weight())))
     return mats

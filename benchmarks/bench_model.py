@@ -84,21 +84,28 @@ def forward_flops(cfg: Qwen35Config, n_matmul_params: int, batch: int, seq: int)
     return 2.0 * n_matmul_params * tokens + attn + delta
 
 
-def matmul_shapes(model) -> dict[tuple[int, int], int]:
-    """The forward's weight matmuls as {(K, N): count}: every stacked projection weight (``*_proj``
-    and the DeltaNet's ``in_proj_*``; a layer period's stack of them) and the LM head. The mixers' own work (delta rule, attention scores,
-    conv) and every elementwise op are left out."""
-    shapes: dict[tuple[int, int], int] = {}
+def projection_weights(model):
+    """``(stacked weight, K, N)`` for every projection the forward multiplies by: each ``*_proj`` and
+    the DeltaNet's ``in_proj_*``, stacked over a layer period, read as ``[K, N]`` per layer (the
+    output projections contract everything but their last axis). The LM head is not among them."""
     for path, w in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
         name = str(getattr(path[-2] if len(path) > 1 else path[-1], "key", ""))
         if not (name.endswith("_proj") or name.startswith("in_proj_")):
             continue
-        stack, dims = w.shape[0], w.shape[1:]
+        dims = w.shape[1:]
         if name in ("o_proj", "down_proj", "out_proj"):  # [..., D]: contracts everything but the last
-            k, n = int(np.prod(dims[:-1])), dims[-1]
+            yield w, int(np.prod(dims[:-1])), dims[-1]
         else:
-            k, n = dims[0], int(np.prod(dims[1:]))
-        shapes[(k, n)] = shapes.get((k, n), 0) + stack
+            yield w, dims[0], int(np.prod(dims[1:]))
+
+
+def matmul_shapes(model) -> dict[tuple[int, int], int]:
+    """The forward's weight matmuls as {(K, N): count}: every projection (``projection_weights``) and
+    the LM head. The mixers' own work (delta rule, attention scores, conv) and every elementwise op
+    are left out."""
+    shapes: dict[tuple[int, int], int] = {}
+    for w, k, n in projection_weights(model):
+        shapes[(k, n)] = shapes.get((k, n), 0) + w.shape[0]
     d, v = model.config.hidden_size, model.config.vocab_size
     shapes[(d, v)] = shapes.get((d, v), 0) + 1
     return shapes
