@@ -115,13 +115,11 @@ def _rest(state: Any) -> nnx.State:
     return nnx.State({k: v for k, v in state.items() if k != "blocks"})
 
 
-def _leaf_refs(state: Any) -> tuple | None:
-    """Weak references to the leaves of a model state the engine's weights are made from (None for
-    the engine's own form, or leaves that take no weak reference)."""
-    if isinstance(state, PeriodParams):
-        return None
+def _leaf_refs(leaves: list) -> tuple | None:
+    """Weak references to the leaves of the model state the engine's weights are made from (None
+    where a leaf takes no weak reference)."""
     try:
-        return tuple(weakref.ref(a) for a in jax.tree.leaves(state))
+        return tuple(weakref.ref(a) for a in leaves)
     except TypeError:
         return None
 
@@ -235,7 +233,7 @@ class Engine(EngineAPI):
         self._own_periods_jit = launch.jit(self._own_periods_impl)
         self._copy_jit = launch.jit(lambda tree: jax.tree.map(jnp.copy, tree))
         self._params = self._engine_params(state)
-        self._source = _leaf_refs(state)
+        self._source = _leaf_refs(jax.tree.leaves(state))
         self._version = 0
         self._lock = threading.Lock()
         self._slots = max_concurrent_decodes
@@ -376,7 +374,7 @@ class Engine(EngineAPI):
         # JAX arrays are immutable: the same array objects hold the same values.
         if not copy and not isinstance(new_params, PeriodParams) and _same_leaves(self._source, new_leaves):
             return self._swap(self._params, self._source, version)
-        source = None if copy else _leaf_refs(new_params)
+        source = None if copy or isinstance(new_params, PeriodParams) else _leaf_refs(new_leaves)
         return self._swap(self._engine_params(new_params, copy=copy), source, version)
 
     def _swap(self, params: Any, source: tuple | None, version: int | None) -> int:
