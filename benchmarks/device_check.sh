@@ -3,12 +3,15 @@
 #   1. the masked LM head against the whole head (bfloat16 and float32 hidden states), each
 #      TMAX_JAX_F32_DOT algorithm's error and speed on a head-shaped float32 matmul, then the Pallas
 #      delta-rule kernels against the pure-JAX path (values, VJP; last: they hung on GPUs so far);
-#   2. 2B train steps at 8K, 32K and 64K tokens with TMAX_JAX_F32_DOT=bf16x6 (the float32 head on
+#   2. attention: the Triton flash-attention kernel (attention_kernels: pallas, JAX's Pallas GPU
+#      kernel) against the JAX flash form at the 2B shape (values, VJP), then fwd+bwd ms, TFLOP/s and
+#      compiled temporaries of both at 32K and 64K tokens (attention is the 32K step's super-linear part);
+#   3. 2B train steps at 8K, 32K and 64K tokens with TMAX_JAX_F32_DOT=bf16x6 (the float32 head on
 #      tensor cores), and at 8K with the default (exact float32 on CUDA cores) as the baseline of the
 #      same machine: tokens/s, MFU, peak device memory;
-#   3. the rollout engine's 0.8B bfloat16 decode at 64 and 256 slots: ms per step, tokens/s;
-#   4. a profile of one 2B step at 8K tokens (bf16x6): its busiest GPU kernels (trace copied to $OUT);
-#   5. the delta rule's ms, tokens/s, TFLOP/s and compiled temporaries, JAX path vs kernels (T=32K).
+#   4. the rollout engine's 0.8B bfloat16 decode at 64 and 256 slots: ms per step, tokens/s;
+#   5. a profile of one 2B step at 8K tokens (bf16x6): its busiest GPU kernels (trace copied to $OUT);
+#   6. the delta rule's ms, tokens/s, TFLOP/s and compiled temporaries, JAX path vs kernels (T=32K).
 # Each part runs in its own process under its own limit (a crash or hang loses only that part); the
 # limits add up to under 10 minutes with their kill grace. Figures of the last runs: tpu/README.md.
 #   bash benchmarks/device_check.sh            # on the accelerator host
@@ -39,9 +42,10 @@ part() {
 
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 part 70 --part check
+part 60 --part attention  # GPU attention kernel vs the JAX form (the 32K step's super-linear part)
 part 200 --part train --size 2b --tokens 8192,32768,65536 --f32-dot bf16x6  # the MFU aim: 2B at 32K
-part 70 --part train --size 2b --tokens 8192 --f32-dot highest  # the baseline on the same machine
-part 100 --part engine --size 0.8b  # issue 17: bf16 decode at 64 and 256 slots
+part 60 --part train --size 2b --tokens 8192 --f32-dot highest  # the baseline on the same machine
+part 80 --part engine --size 0.8b  # issue 17: bf16 decode at 64 and 256 slots
 part 50 --part profile --size 2b --tokens 8192 --f32-dot bf16x6  # where the step's time goes
 part 60 --part kernel
 echo "=== device check done in $((SECONDS - START))s"

@@ -1,12 +1,20 @@
-"""Masked GQA attention: the unblocked softmax, the flash form with its own backward and the TPU splash
-kernel (Pallas interpret mode) against float64 NumPy values and hand-written gradients."""
+"""Masked GQA attention: the unblocked softmax, the flash form with its own backward, the TPU splash
+kernel and the GPU Triton kernel (Pallas interpret mode) against float64 NumPy values and hand-written
+gradients; the ``attention_kernels`` choice."""
+
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tmax_jax.models.qwen35.attention import masked_attention, splash_attention
+from tmax_jax.models.qwen35.attention import (
+    attention_kernel,
+    masked_attention,
+    splash_attention,
+    triton_attention,
+)
 from tmax_jax.models.qwen35.flash_attention import flash_attention
 
 
@@ -163,3 +171,103 @@ def test_splash_kernel_under_a_mesh_runs_per_shard_and_matches_numpy():
         out = fn(q, k, v, seg)
     assert "shard_map" in lowered or "sdy.manual_computation" in lowered
     np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "B,T,G,R,E",
+    [
+        (2, 150, 2, 3, 64),  # forward blocks of 128: T padded to 256; GQA 3 queries per kv head
+        (1, 100, 1, 2, 256),  # Qwen 3.5's head dim: blocks of 64, T padded to 128
+    ],
+)
+def test_triton_kernel_in_interpret_mode_matches_numpy_float64(B, T, G, R, E):
+    """JAX's Pallas GPU flash-attention kernel behind ``triton_attention`` (interpret mode): packed rows,
+    a row ending in pads, GQA through repeated kv heads, values and all three gradients."""
+    rng = np.random.default_rng(T + E)
+    q = rng.normal(size=(B, T, G, R, E)).astype(np.float32)
+    k, v = (rng.normal(size=(B, T, G, E)).astype(np.float32) for _ in range(2))
+    dout = rng.normal(size=q.shape).astype(np.float32)
+    seg = np.ones((B, T), np.int32)
+    seg[0, 45:] = 2
+    seg[-1, T - 12 :] = 0
+    idx = np.broadcast_to(np.arange(T), (B, T)).astype(np.int32)
+    ref, ref_grads = numpy_attention_and_grads(q, k, v, idx, seg, np.arange(T), seg, dout)
+    out, vjp = jax.vjp(lambda q, k, v: triton_attention(q, k, v, seg, interpret=True), q, k, v)
+    assert out.shape == q.shape
+    np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5, rtol=2e-5)
+    for name, got, want in zip("qkv", vjp(jnp.asarray(dout)), ref_grads):
+        np.testing.assert_allclose(np.asarray(got), want, atol=5e-5, rtol=5e-5, err_msg=f"d{name}")
+    # masked_attention hands causal self-attention past its block to the kernel with "pallas".
+    via = masked_attention(q, k, v, idx, seg, np.arange(T), seg, block=32, causal_self=True, kernels="pallas")
+    np.testing.assert_allclose(np.asarray(via), np.asarray(out), atol=1e-6, rtol=1e-6)
+
+
+def test_triton_kernel_under_a_mesh_runs_per_shard_and_matches_numpy():
+    """On 8 fake devices (rows over data x fsdp, kv heads over tensor) the kernel runs in shard_map."""
+    from tmax_jax.sharding import MeshConfig, make_mesh
+
+    rng = np.random.default_rng(3)
+    B, T, G, R, E = 4, 64, 2, 2, 32
+    q = rng.normal(size=(B, T, G, R, E)).astype(np.float32)
+    k, v = (rng.normal(size=(B, T, G, E)).astype(np.float32) for _ in range(2))
+    seg = np.ones((B, T), np.int32)
+    seg[1, 30:], seg[3, 50:] = 2, 0
+    idx = np.broadcast_to(np.arange(T), (B, T)).astype(np.int32)
+    ref, _ = numpy_attention_and_grads(q, k, v, idx, seg, np.arange(T), seg, np.zeros_like(q))
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    with jax.set_mesh(mesh):
+        fn = jax.jit(lambda q, k, v, s: triton_attention(q, k, v, s, interpret=True))
+        lowered = fn.lower(q, k, v, seg).as_text()
+        out = fn(q, k, v, seg)
+    assert "shard_map" in lowered or "sdy.manual_computation" in lowered
+    np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_triton_kernel_lowers_for_gpu_at_qwen35_head_dim():
+    """From this CPU host, the forward and backward lower to Triton IR at Qwen 3.5's attention shape
+    (head dim 256, 8 query heads over 2 kv heads, bfloat16): the block sizes and every primitive pass
+    Pallas's Triton lowering. Whether Triton then fits them on a chip is device_check's part."""
+    from jax import export
+
+    B, T, G, R, E = 1, 1024, 2, 4, 256
+    q = jax.ShapeDtypeStruct((B, T, G, R, E), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, T, G, E), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((B, T), jnp.int32)
+
+    def loss(q, k, v, seg):
+        return jnp.sum(triton_attention(q, k, v, seg).astype(jnp.float32))
+
+    train = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    unchecked = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    module = export.export(train, platforms=["cuda"], disabled_checks=unchecked)(q, kv, kv, seg).mlir_module()
+    names = re.findall(r'name = "(mha[a-z_]*|[a-z_]*mha[a-z_]*)"', module)
+    assert module.count("xla.gpu.triton") >= 3, names  # forward, and the backward's kernels
+    assert "grid_x = 16" in module  # forward: 1024 / 64 query blocks at head dim 256
+
+
+def test_attention_kernels_choice_by_backend_and_config():
+    from tmax_jax.errors import ConfigError
+    from tmax_jax.models.qwen35 import Qwen35Config
+    from tmax_jax.models.qwen35.attention import GatedAttention
+
+    assert attention_kernel("auto", 2048, "tpu") == ("splash", False)
+    assert attention_kernel("auto", 1000, "tpu") == ("flash", False)  # rows splash's block does not divide
+    assert attention_kernel("auto", 2048, "gpu") == ("flash", False)  # until device_check has run it
+    assert attention_kernel("auto", 2048, "cpu") == ("flash", False)
+    assert attention_kernel("pallas", 2048, "gpu") == ("triton", False)
+    assert attention_kernel("pallas", 2048, "cpu") == ("triton", True)
+    assert attention_kernel("jax", 2048, "tpu") == ("flash", False)
+    with pytest.raises(ValueError, match="attention_kernels='cudnn'"):
+        attention_kernel("cudnn", 2048, "gpu")
+    with pytest.raises(ConfigError, match="attention_kernels='flash'"):
+        Qwen35Config.preset("tiny", attention_kernels="flash")
+    cfg = Qwen35Config.preset("tiny", attention_kernels="pallas")
+    assert "attention_kernels" not in cfg.to_hf_config()
+    assert (
+        Qwen35Config.from_hf_config({**cfg.to_hf_config(), "attention_kernels": "pallas"}).attention_kernels
+        == "auto"
+    )
+    layer = GatedAttention(
+        cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=__import__("flax").nnx.Rngs(0)
+    )
+    assert layer.kernels == "pallas"

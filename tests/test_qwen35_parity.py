@@ -133,8 +133,9 @@ def test_vlm_head_follows_the_top_level_tie_and_is_never_dropped(top_level, tmp_
 
 
 def test_flash_attention_path_matches_transformers_with_packing(case):
-    """Attention blocks of 32 (the flash form with its own backward) on packed rows: logits match
-    transformers run on each packed sequence alone, and gradients match the unblocked path."""
+    """Attention blocks of 32 (the flash form with its own backward, and the GPU Triton kernel in
+    Pallas interpret mode) on packed rows: logits match transformers run on each packed sequence
+    alone, and gradients match the unblocked path."""
     import jax
 
     from tmax_jax.models.qwen35.attention import GatedAttention
@@ -153,14 +154,18 @@ def test_flash_attention_path_matches_transformers_with_packing(case):
         return (logits**2).mean(), logits
 
     grads = {}
-    for block in (1024, 32):
+    # Past the block: the JAX flash form, then ("pallas") the GPU Triton kernel in interpret mode.
+    for block, kernels in ((1024, "auto"), (32, "auto"), (32, "pallas")):
         for a in attn:
-            a.query_block = block
+            a.query_block, a.kernels = block, kernels
         (_, logits), g = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(model)
-        np.testing.assert_allclose(np.asarray(logits), ref, atol=2e-5, rtol=2e-4, err_msg=f"{name} {block}")
-        grads[block] = g
-    for a, b in zip(jax.tree.leaves(grads[1024]), jax.tree.leaves(grads[32])):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6, rtol=1e-4)
+        np.testing.assert_allclose(
+            np.asarray(logits), ref, atol=2e-5, rtol=2e-4, err_msg=f"{name} {block} {kernels}"
+        )
+        grads[block, kernels] = g
+    for other in ((32, "auto"), (32, "pallas")):
+        for a, b in zip(jax.tree.leaves(grads[1024, "auto"]), jax.tree.leaves(grads[other])):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6, rtol=1e-4, err_msg=str(other))
 
 
 def test_layer_checkpoints_and_chunked_mlp_change_neither_logits_nor_gradients(case):

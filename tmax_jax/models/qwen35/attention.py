@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from tmax_jax.kernels.dispatch import KERNEL_CHOICES as ATTENTION_KERNELS
 from tmax_jax.models.qwen35.config import Qwen35Config
 from tmax_jax.models.qwen35.flash_attention import MASKED, flash_attention
 from tmax_jax.models.qwen35.norms import norm_init_value, rms_norm
@@ -107,6 +108,91 @@ def splash_attention(q_BxTxGxRxE, k_BxTxGxE, v_BxTxGxE, seg_BxT, *, interpret: b
     return out_BxHxTxE.transpose(0, 2, 1, 3).reshape(B, T, G, R, E)
 
 
+def _triton_block_sizes(head_dim: int):
+    """Block sizes of the GPU kernel. Forward blocks of 64 at head dim 256 (Qwen 3.5's): two stages
+    of 128-row bfloat16 key and value blocks of that width would need 256 KiB of shared memory, past
+    an H100's 228 KiB; 128 up to head dim 128 (the kernel's defaults). Backward blocks: its defaults."""
+    from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+
+    fwd = 128 if head_dim <= 128 else 64
+    return gpu_attention.BlockSizes(
+        block_q=fwd, block_k=fwd, block_q_dkv=32, block_kv_dkv=32, block_q_dq=32, block_kv_dq=32
+    )
+
+
+def triton_attention(q_BxTxGxRxE, k_BxTxGxE, v_BxTxGxE, seg_BxT, *, interpret: bool = False):
+    """Causal self-attention with segment ids through JAX's Pallas GPU (Triton) flash-attention kernel
+    (``jax.experimental.pallas.ops.gpu.attention.mha``: online softmax in float32, forward and backward
+    in O(T) memory, key blocks after the query block never visited). On CPU only in Pallas interpret
+    mode (tests).
+
+    Same mask as ``masked_attention(..., causal_self=True)``: query t sees key s iff s <= t and both
+    have the same segment id. The kernel has no GQA: each kv head is repeated for its R query heads
+    (query head h = g * R + r reads kv head g, as ours), and autodiff sums the repeats' gradients
+    back. Rows are padded to whole blocks with segment id 0 at the end, where causality hides them
+    from every real query; the padded queries' outputs are dropped.
+    """
+    from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+
+    B, T, G, R, E = q_BxTxGxRxE.shape
+    sizes = _triton_block_sizes(E)
+    block = max(sizes.block_q, sizes.block_k, sizes.block_q_dkv, sizes.block_kv_dkv)
+    pad = (-T) % block
+    if pad:
+        q_BxTxGxRxE = jnp.pad(q_BxTxGxRxE, [(0, 0), (0, pad), (0, 0), (0, 0), (0, 0)])
+        k_BxTxGxE, v_BxTxGxE = (
+            jnp.pad(x, [(0, 0), (0, pad), (0, 0), (0, 0)]) for x in (k_BxTxGxE, v_BxTxGxE)
+        )
+        seg_BxT = jnp.pad(seg_BxT, [(0, 0), (0, pad)])
+
+    def run(q, k, v, seg):
+        b, t, g = q.shape[:3]
+        out = gpu_attention.mha(
+            q.reshape(b, t, g * R, E),
+            jnp.repeat(k, R, axis=2),
+            jnp.repeat(v, R, axis=2),
+            seg.astype(jnp.int32),
+            sm_scale=E**-0.5,
+            causal=True,
+            block_sizes=sizes,
+            interpret=interpret,
+        )
+        return out.reshape(b, t, g, R, E)
+
+    rows, heads = _splash_mesh_axes(B, G)
+    if rows or heads:
+        # As for splash: a custom call XLA cannot partition runs per shard (rows and kv heads with
+        # their query heads are independent).
+        btg = P(rows or None, None, heads)
+        run = jax.shard_map(
+            run, in_specs=(btg, btg, btg, P(rows or None, None)), out_specs=btg, check_vma=False
+        )
+    out = run(q_BxTxGxRxE, k_BxTxGxE, v_BxTxGxE, seg_BxT)
+    return out[:, :T] if pad else out
+
+
+def attention_kernel(kernels: str, seq_len: int, backend: str | None = None) -> tuple[str, bool]:
+    """``(form, interpret)`` of causal self-attention past the unblocked size, by the model config's
+    ``attention_kernels`` choice on a backend (default: JAX's, read when the call is traced):
+
+    - ``jax``: the blockwise JAX form (``flash_attention.py``) everywhere;
+    - ``auto``: the TPU splash kernel on TPU (rows it divides into blocks), the JAX form elsewhere.
+      GPUs stay on the JAX form until ``benchmarks/device_check.sh`` has run the Triton kernel on one;
+    - ``pallas``: splash on TPU, the Triton kernel (``triton_attention``) on GPU, and that one in
+      Pallas interpret mode on other hosts (slow: tests).
+    """
+    if kernels not in ATTENTION_KERNELS:
+        raise ValueError(f"attention_kernels={kernels!r}; expected one of {list(ATTENTION_KERNELS)}")
+    backend = jax.default_backend() if backend is None else backend
+    if kernels == "jax":
+        return "flash", False
+    if backend == "tpu":
+        return ("splash" if seq_len % min(SPLASH_BLOCK, seq_len) == 0 else "flash"), False
+    if kernels == "pallas":
+        return "triton", backend != "gpu"
+    return "flash", False
+
+
 def _splash_mesh_axes(batch: int, kv_heads: int) -> tuple[tuple[str, ...], str | None]:
     """Mesh axes (of ``jax.set_mesh``'s mesh) splitting rows and heads; one that does not divide its
     dimension is left out."""
@@ -138,19 +224,22 @@ def masked_attention(
     block: int = QUERY_BLOCK,
     causal_self: bool = False,
     head_major: bool = False,
+    kernels: str = "auto",
 ) -> jax.Array:
     """Softmax attention (scores and softmax in float32) where query t sees key s iff
     ``k_idx[s] <= q_idx[t]`` and ``k_seg[s] == q_seg[t]``.
 
     Up to ``block`` queries and keys, or fewer queries whose scores are no bigger: one softmax (for
     causal self-attention, in query blocks that skip the keys after them). Past it, memory is O(T):
-    on TPU, for causal self-attention (``causal_self``: keys are the queries, ``k_idx = q_idx = arange``), the Pallas
-    splash kernel; elsewhere the blockwise flash form with its own backward pass (flash_attention.py).
-    cuDNN's fused attention (``jax.nn.dot_product_attention``) is not used: the installed JAX gives it
-    no segment ids, and packing needs them.
+    for causal self-attention (``causal_self``: keys are the queries, ``k_idx = q_idx = arange``) a
+    Pallas kernel where ``kernels`` picks one (TPU splash, GPU Triton: ``attention_kernel``);
+    otherwise the blockwise flash form with its own backward pass (flash_attention.py). cuDNN's fused
+    attention (``jax.nn.dot_product_attention``) is not used: its public API takes no segment ids,
+    and packing needs them.
 
     ``head_major``: keys and values come as ``[B, G, S, E]`` (the decode cache's layout) instead of
-    ``[B, S, G, E]``.
+    ``[B, S, G, E]``. ``kernels``: the ``attention_kernels`` choice for causal self-attention past one
+    block (``attention_kernel``).
     """
     T, S = q_BxTxGxRxE.shape[1], k_BxSxGxE.shape[2 if head_major else 1]
     # A few queries over a long cache (decode, short prefill chunks) stay unblocked as long as their
@@ -163,8 +252,12 @@ def masked_attention(
         )
     if head_major:
         k_BxSxGxE, v_BxSxGxE = k_BxSxGxE.transpose(0, 2, 1, 3), v_BxSxGxE.transpose(0, 2, 1, 3)
-    if causal_self and jax.default_backend() == "tpu" and T % min(SPLASH_BLOCK, T) == 0:
-        return splash_attention(q_BxTxGxRxE, k_BxSxGxE, v_BxSxGxE, q_seg_BxT)
+    if causal_self:
+        form, interpret = attention_kernel(kernels, T)
+        if form == "splash":
+            return splash_attention(q_BxTxGxRxE, k_BxSxGxE, v_BxSxGxE, q_seg_BxT)
+        if form == "triton":
+            return triton_attention(q_BxTxGxRxE, k_BxSxGxE, v_BxSxGxE, q_seg_BxT, interpret=interpret)
     b = min(block, FLASH_BLOCK)
     bq = min(b, T)  # fewer queries than a block: one block of exactly them, not padded
     return flash_attention(q_BxTxGxRxE, k_BxSxGxE, v_BxSxGxE, q_idx_BxT, q_seg_BxT, k_idx_S, k_seg_BxS, bq, b)
@@ -178,6 +271,7 @@ class GatedAttention(nnx.Module):
         self.head_dim = hd
         self.eps = cfg.rms_norm_eps
         self.query_block = QUERY_BLOCK
+        self.kernels = cfg.attention_kernels
         self.token_chunk = TOKEN_CHUNK
         self.gated = cfg.attn_output_gate
         self.zero_centred = cfg.zero_centred_norms
@@ -276,6 +370,7 @@ class GatedAttention(nnx.Module):
             block=self.query_block,
             causal_self=kv_cache is None,
             head_major=kv_cache is not None,
+            kernels=self.kernels,
         )
         attn_BxTxHxE = attn_BxTxGxRxE.reshape(B, T, H, hd)
         post = (attn_BxTxHxE, gate_BxTxHxE)

@@ -66,6 +66,9 @@ class Qwen35Config:
     # "jax" by default: "auto" picks the Pallas kernels on TPU, which have passed interpret-mode and
     # lowering checks only (on an H200 the Triton ones failed device_check, so "auto" is JAX on GPU).
     kernels: str = "jax"
+    # Runtime choice: causal self-attention past one block (attention.attention_kernel). "auto": the
+    # splash kernel on TPU, the JAX flash form elsewhere; "pallas" adds the Triton kernel on GPU.
+    attention_kernels: str = "auto"
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -125,6 +128,10 @@ class Qwen35Config:
             )
         if self.kernels not in KERNEL_CHOICES:
             raise ConfigError(f"kernels={self.kernels!r}; expected one of {list(KERNEL_CHOICES)}")
+        if self.attention_kernels not in KERNEL_CHOICES:
+            raise ConfigError(
+                f"attention_kernels={self.attention_kernels!r}; expected one of {list(KERNEL_CHOICES)}"
+            )
         if self.family not in FAMILIES:
             raise ConfigError(f"family={self.family!r}; expected one of {list(FAMILIES)}")
         if self.family == QWEN3 and self.num_linear_layers:
@@ -275,6 +282,7 @@ class Qwen35Config:
         kwargs["tie_word_embeddings"] = tie
         kwargs.pop("chunk_size", None)
         kwargs.pop("kernels", None)  # runtime choices are never read from a checkpoint
+        kwargs.pop("attention_kernels", None)
         kwargs.pop("family", None)
         if moe:
             kwargs["intermediate_size"] = 0  # no dense MLP in a MoE decoder
