@@ -155,6 +155,35 @@ def test_gradients_match_numpy_reference_with_packing_and_padding(chunk_size):
         np.testing.assert_allclose(a, b, atol=5e-5, rtol=2e-4, err_msg=name)
 
 
+@pytest.mark.parametrize("form", [(4, True), (4, False), (1, True)])
+def test_accelerator_forms_match_numpy_values_and_gradients(monkeypatch, form):
+    """What accelerators run, here on CPU: several chunks per loop step (their state-independent work
+    batched) and/or the w form (``w = T k_read`` before the sequential steps, ``T^T dv_new`` after
+    them). Values, final state and all gradients against the float64 NumPy references, with packing
+    and an initial state; 250 tokens in chunks of 16 (16 chunks: 4 blocks of 4, the last one padded)."""
+    from tmax_jax.models.qwen35 import delta_rule
+
+    monkeypatch.setattr(delta_rule, "_FORM_OVERRIDE", form)
+    q, k, v, g, beta, s0 = make_inputs(14, B=2, T=250, H=2)
+    groups = np.zeros((2, 250), np.int32)
+    groups[0, 37:130], groups[0, 130:] = 1, 2
+    groups[1, 64:] = 1
+    # A fresh jit: the form is read when the call is traced.
+    o, s = jax.jit(lambda *a: chunked_gated_delta_rule(*a, groups_BxT=groups, chunk_size=16))(
+        q, k, v, g, beta, s0
+    )
+    ref_o, ref_s = numpy_delta_rule(q, k, v, g, beta, s0, groups)
+    np.testing.assert_allclose(o, ref_o, atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(s, ref_s, atol=2e-5, rtol=1e-4)
+    d_out, d_final = _cotangents(15, q, v, s0)
+    got = _grads(
+        chunked_gated_delta_rule, (q, k, v, g, beta, s0), d_out, d_final, groups_BxT=groups, chunk_size=16
+    )
+    want = numpy_forward_backward(q, k, v, g, beta, s0, groups, d_out, d_final)[2]
+    for name, a, b in zip(NAMES, got, want):
+        np.testing.assert_allclose(a, b, atol=5e-5, rtol=2e-4, err_msg=name)
+
+
 @pytest.mark.parametrize("chunk_size", [16, 64])
 def test_gradients_match_autodiff_of_the_recurrent_form(chunk_size):
     q, k, v, g, beta, s0 = make_inputs(6, B=1, T=100, H=2)

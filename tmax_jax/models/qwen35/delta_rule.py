@@ -31,7 +31,8 @@ where ``reads`` marks tokens in the group of the incoming state, ``writes`` toke
 outgoing one, and ``carried`` whether the whole chunk continues the incoming state. (flash-linear-
 attention precomputes ``u = T diag(beta) V`` and ``w = T k_read`` and writes ``v_new = u - w S``; applying
 T after the subtraction is the same value with one [C, C] x [C, dk] matmul less, and its backward needs
-no ``w``.) The code is split the way a kernel is, as in flash-linear-attention's chunk_gated_delta_rule
+no ``w``: the CPU form. On accelerators this code precomputes ``u`` and ``w`` too, which leaves two
+dependent matmuls per chunk on the sequential chain instead of three: ``_form``.) The code is split the way a kernel is, as in flash-linear-attention's chunk_gated_delta_rule
 (a sequential pass over chunk states, ``fwd_h``; a backward of a sequential ``dh`` pass and parallel
 per-chunk gradients):
 
@@ -76,15 +77,29 @@ def _mm(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum(spec, a, b, precision=f32_matmul_precision(), preferred_element_type=f32)
 
 
-def _chunks_per_block() -> int:
-    """Chunks per step of the loops over the sequence; their state-independent parts run batched.
+# Tests set this to run the accelerator form on CPU: ``(chunks per block, w_form)`` (see ``_form``).
+_FORM_OVERRIDE: tuple[int, bool] | None = None
 
+
+def _form() -> tuple[int, bool]:
+    """``(chunks per block, w_form)``: how the loops over the sequence run on this backend.
+
+    Chunks per block: the chunks one loop step handles; their state-independent parts run batched.
     On CPU one chunk per step is fastest (measured at T=2048: batched over 4 chunks the matmuls fall
     out of cache, 3.6x -> 2.7x chunked/recurrent). On accelerators a few chunks per step cut the
     loop's step count and kernel launches; 8 is a guess, not tuned on a device. Temporaries grow with
     it, O(block * C * (C + dk + dv)) per head, never with T.
+
+    ``w_form`` (accelerators): the sequential steps read the state through ``w = T k_read``, computed
+    batched before them (flash-linear-attention's form), so each chunk's forward step is two
+    dependent matmuls instead of three, and so is its backward step (``T^T dv_new`` moves out of the
+    loop). On a GPU the JAX path is bound by how many small kernels run one after another (about
+    200,000 per 2B step at 8K tokens on an H100), not by FLOPs. On CPU, which is FLOP-bound here, the
+    form without ``w`` does one ``[C, C] x [C, dk]`` matmul per chunk less.
     """
-    return 1 if jax.default_backend() == "cpu" else 8
+    if _FORM_OVERRIDE is not None:
+        return _FORM_OVERRIDE
+    return (1, False) if jax.default_backend() == "cpu" else (8, True)
 
 
 def _unit_lower_inverse(strict_lower: jax.Array) -> jax.Array:
@@ -170,10 +185,14 @@ class ChunkPrep(NamedTuple):
     k_write: jax.Array  # [..., C, dk] diag(exp(cum_last - cum) writes) K (what S' takes in)
     intra: jax.Array  # [..., C, C] P: (Q K^T) * D
     gamma: jax.Array  # [...] exp(cum_last) * carried: the incoming state's decay over the chunk
+    # w_form only (else None): u = T v_beta [..., C, dv] and wq_read [..., 2C, dk] = [T k_read; q_read]
+    u: jax.Array | None = None
+    wq_read: jax.Array | None = None
 
 
-def _chunk_prepare(q, k, v, g, beta, masks: ChunkMasks) -> ChunkPrep:
-    """``q, k [..., C, dk]``, ``v [..., C, dv]``, ``g, beta [..., C]``, all float32."""
+def _chunk_prepare(q, k, v, g, beta, masks: ChunkMasks, w_form: bool = False) -> ChunkPrep:
+    """``q, k [..., C, dk]``, ``v [..., C, dv]``, ``g, beta [..., C]``, all float32; ``w_form`` adds
+    ``u`` and ``wq_read`` (see ``_form``)."""
     C = q.shape[-2]
     cum = _chunk_cumsum(g)
     # -inf off the mask: exp gives exactly 0 there and never overflows on the (positive) upper half.
@@ -184,15 +203,26 @@ def _chunk_prepare(q, k, v, g, beta, masks: ChunkMasks) -> ChunkPrep:
     scores = _mm("...ck,...sk->...cs", kb_q, k)
     scores = scores.reshape(*scores.shape[:-2], 2, C, C) * decay[..., None, :, :]
     strict = jnp.tril(jnp.ones((C, C), bool), -1)
+    t_inv = _unit_lower_inverse(jnp.where(_lead(strict, scores.ndim - 1), scores[..., 0, :, :], 0.0))
+    v_beta = v * beta[..., None]
+    kq_read = kb_q * jnp.concatenate([read, read], axis=-1)[..., None]
+    u = wq_read = None
+    if w_form:
+        u = _mm("...cs,...sv->...cv", t_inv, v_beta)
+        wq_read = jnp.concatenate(
+            [_mm("...cs,...sk->...ck", t_inv, kq_read[..., :C, :]), kq_read[..., C:, :]], -2
+        )
     return ChunkPrep(
         cum=cum,
         decay=decay,
-        t_inv=_unit_lower_inverse(jnp.where(_lead(strict, scores.ndim - 1), scores[..., 0, :, :], 0.0)),
-        v_beta=v * beta[..., None],
-        kq_read=kb_q * jnp.concatenate([read, read], axis=-1)[..., None],
+        t_inv=t_inv,
+        v_beta=v_beta,
+        kq_read=kq_read,
         k_write=k * (jnp.exp(cum[..., -1:] - cum) * masks.writes)[..., None],
         intra=scores[..., 1, :, :],
         gamma=jnp.exp(cum[..., -1]) * masks.carried,
+        u=u,
+        wq_read=wq_read,
     )
 
 
@@ -203,10 +233,16 @@ def _chunk_forward_states(prep: ChunkPrep, s: jax.Array) -> tuple[jax.Array, jax
     ``v_new = T (v_beta - k_read s)`` and ``q_s = q_read s`` (one matmul: both read s).
     """
     C = prep.t_inv.shape[-1]
-    kq_s = _mm("...ck,...kv->...cv", prep.kq_read, s)
-    v_new = _mm("...cs,...sv->...cv", prep.t_inv, prep.v_beta - kq_s[..., :C, :])
+    if prep.wq_read is not None:  # w_form: v_new = u - w s, one matmul fewer on the chain
+        wq_s = _mm("...ck,...kv->...cv", prep.wq_read, s)
+        v_new = prep.u - wq_s[..., :C, :]
+        q_s = wq_s[..., C:, :]
+    else:
+        kq_s = _mm("...ck,...kv->...cv", prep.kq_read, s)
+        v_new = _mm("...cs,...sv->...cv", prep.t_inv, prep.v_beta - kq_s[..., :C, :])
+        q_s = kq_s[..., C:, :]
     s_next = s * prep.gamma[..., None, None] + _mm("...ck,...cv->...kv", prep.k_write, v_new)
-    return s_next, v_new, kq_s[..., C:, :]
+    return s_next, v_new, q_s
 
 
 def _chunk_outputs(prep: ChunkPrep, q_s: jax.Array, v_new: jax.Array) -> jax.Array:
@@ -222,12 +258,24 @@ def _chunk_backward_states(prep: ChunkPrep, do: jax.Array, ds_next: jax.Array):
     ``dr = T^T dv_new`` is the cotangent of ``v_beta - k_read s``.
     """
     dv_new = _mm("...cs,...cv->...sv", prep.intra, do) + _mm("...ck,...kv->...cv", prep.k_write, ds_next)
+    if prep.wq_read is not None:
+        # w_form: k_read^T dr = (T k_read)^T dv_new, so ds needs no dr; the caller computes dr
+        # (``_chunk_dr``) for all the block's chunks at once, off the sequential chain.
+        ds = ds_next * prep.gamma[..., None, None] + _mm(
+            "...ck,...cv->...kv", prep.wq_read, jnp.concatenate([-dv_new, do], axis=-2)
+        )
+        return ds, dv_new, None
     dr = _mm("...sc,...sv->...cv", prep.t_inv, dv_new)
     # s is read by k_read (through -dr) and q_read (through do): one matmul over [k_read; q_read].
     ds = ds_next * prep.gamma[..., None, None] + _mm(
         "...ck,...cv->...kv", prep.kq_read, jnp.concatenate([-dr, do], axis=-2)
     )
     return ds, dv_new, dr
+
+
+def _chunk_dr(prep: ChunkPrep, dv_new: jax.Array) -> jax.Array:
+    """``dr = T^T dv_new``, the cotangent of ``v_beta - k_read s`` (``_chunk_backward_states``)."""
+    return _mm("...sc,...sv->...cv", prep.t_inv, dv_new)
 
 
 def _chunk_backward(q, k, v, g, beta, masks: ChunkMasks, prep: ChunkPrep, s, do, ds_next, dv_new, dr):
@@ -339,7 +387,20 @@ def _slice_chunk(tree, i: int):
     return jax.tree.map(lambda x: x[:, :, i], tree)
 
 
-def _forward(q, k, v, g, beta, s0, groups, C: int, per_block: int, save_states: bool, out_dtype=f32):
+def _forward(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    s0,
+    groups,
+    C: int,
+    per_block: int,
+    save_states: bool,
+    out_dtype=f32,
+    w_form: bool = False,
+):
     B, T, H, K = k.shape
     V = v.shape[-1]
     dtypes = tuple(x.dtype for x in (q, k, v, g, beta))
@@ -351,7 +412,7 @@ def _forward(q, k, v, g, beta, s0, groups, C: int, per_block: int, save_states: 
     def block(carry, n0):
         s, out, saved = carry
         x, masks = _block_inputs(seqs, dtypes, grp, prev_last, n0, m, C)
-        prep = _chunk_prepare(*x, masks)
+        prep = _chunk_prepare(*x, masks, w_form=w_form)
         states, v_new, q_s = [], [], []
         for i in range(m):
             states.append(s)
@@ -372,7 +433,7 @@ def _forward(q, k, v, g, beta, s0, groups, C: int, per_block: int, save_states: 
     return (out[:, :T] if N * C != T else out), s_final, (states if save_states else None)
 
 
-def _backward(res, cotangents, C: int, per_block: int):
+def _backward(res, cotangents, C: int, per_block: int, w_form: bool = False):
     q, k, v, g, beta, groups, states = res
     d_out, d_final = cotangents
     T = k.shape[1]
@@ -390,13 +451,14 @@ def _backward(res, cotangents, C: int, per_block: int):
         ds, grads = carry
         n0, s_in = xs  # s_in [B, H, m, K, V]
         x, masks = _block_inputs(seqs, dtypes, grp, prev_last, n0, m, C)
-        prep = _chunk_prepare(*x, masks)
+        prep = _chunk_prepare(*x, masks, w_form=w_form)
         do = _load(d_out, d_out_dtype, n0, m, C)
         ds_next, dv_new, dr = [None] * m, [None] * m, [None] * m
         for i in reversed(range(m)):
             ds_next[i] = ds
             ds, dv_new[i], dr[i] = _chunk_backward_states(_slice_chunk(prep, i), do[:, :, i], ds)
-        ds_next, dv_new, dr = (jnp.stack(x, axis=2) for x in (ds_next, dv_new, dr))
+        ds_next, dv_new = (jnp.stack(x, axis=2) for x in (ds_next, dv_new))
+        dr = _chunk_dr(prep, dv_new) if w_form else jnp.stack(dr, axis=2)
         d_x = _chunk_backward(*x, masks, prep, s_in, do, ds_next, dv_new, dr)
         grads = tuple(_store(buf, d, dt, n0, C) for buf, d, dt in zip(grads, d_x, dtypes))
         return (ds, grads), None
@@ -412,21 +474,24 @@ def _backward(res, cotangents, C: int, per_block: int):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _chunked(q, k, v, g, beta, s0, groups, C, out_dtype):
+    per_block, w_form = _form()
     out, s_final, _ = _forward(
-        q, k, v, g, beta, s0, groups, C, _chunks_per_block(), save_states=False, out_dtype=out_dtype
+        q, k, v, g, beta, s0, groups, C, per_block, save_states=False, out_dtype=out_dtype, w_form=w_form
     )
     return out, s_final
 
 
 def _chunked_fwd(q, k, v, g, beta, s0, groups, C, out_dtype):
+    per_block, w_form = _form()
     out, s_final, states = _forward(
-        q, k, v, g, beta, s0, groups, C, _chunks_per_block(), save_states=True, out_dtype=out_dtype
+        q, k, v, g, beta, s0, groups, C, per_block, save_states=True, out_dtype=out_dtype, w_form=w_form
     )
     return (out, s_final), (q, k, v, g, beta, groups, states)
 
 
 def _chunked_bwd(C, out_dtype, res, cotangents):
-    return _backward(res, cotangents, C, _chunks_per_block())
+    per_block, w_form = _form()
+    return _backward(res, cotangents, C, per_block, w_form=w_form)
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
