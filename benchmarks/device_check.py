@@ -115,8 +115,20 @@ def _check_one(B, T, H, K, V, C, impls):
     ds = jnp.asarray(rng.normal(size=(B, H, K, V)), jnp.float32)
     res = {}
     for name, impl in impls.items():
-        t0 = time.perf_counter()
         fn = jax.jit(lambda *a, impl=impl: impl(*a, groups, C=C))
+        if name != "jax":
+            # The kernels hung on GPUs so far: the forward alone first, lowered, compiled and run as
+            # separate printed stages, so a timeout shows which stage never finished.
+            t0 = time.perf_counter()
+            lowered = fn.lower(q, k, v, g, beta, s0)
+            say(f"[check] {name:11s} forward lowered in {time.perf_counter() - t0:.1f}s")
+            t0 = time.perf_counter()
+            compiled = lowered.compile()
+            say(f"[check] {name:11s} forward compiled in {time.perf_counter() - t0:.1f}s")
+            t0 = time.perf_counter()
+            jax.block_until_ready(compiled(q, k, v, g, beta, s0))
+            say(f"[check] {name:11s} forward ran in {time.perf_counter() - t0:.1f}s")
+        t0 = time.perf_counter()
         (o, s), pull = jax.vjp(fn, q, k, v, g, beta, s0)
         res[name] = jax.block_until_ready([o, s, *pull((do, ds))])
         say(f"[check] {name:11s} forward + VJP (compile and run) {time.perf_counter() - t0:.1f}s")
