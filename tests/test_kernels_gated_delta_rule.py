@@ -219,6 +219,22 @@ def test_dispatch_by_backend_and_override():
     assert "pallas_call" in str(jax.make_jaxpr(pallas)(q, k, v, g, beta, s0))
 
 
+def test_kernel_precision_follows_the_f32_dot_setting(monkeypatch):
+    """GPU kernels take Triton's TF32x3 ("high") when TMAX_JAX_F32_DOT picks a tensor-core algorithm
+    for the JAX path, else IEEE float32 ("highest"); TPU always "highest"; a bad name still fails."""
+    from tmax_jax.errors import ConfigError
+    from tmax_jax.kernels.dispatch import _kernel_precision
+
+    monkeypatch.delenv("TMAX_JAX_F32_DOT", raising=False)
+    assert _kernel_precision("gpu") == "highest"
+    for name in ("bf16x6", "bf16x3", "tf32x3"):
+        monkeypatch.setenv("TMAX_JAX_F32_DOT", name)
+        assert (_kernel_precision("gpu"), _kernel_precision("tpu")) == ("high", "highest")
+    monkeypatch.setenv("TMAX_JAX_F32_DOT", "fp8")
+    with pytest.raises(ConfigError, match="TMAX_JAX_F32_DOT"):
+        _kernel_precision("gpu")
+
+
 def test_under_a_mesh_each_device_runs_its_rows_and_heads():
     """8 fake CPU devices, data=2 x fsdp=2 x tensor=2: the kernels run in a shard_map (rows over
     data and fsdp, heads over tensor) and still match the float64 loop, values and VJP."""

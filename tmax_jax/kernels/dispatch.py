@@ -94,6 +94,16 @@ def _sharded_pallas(args, **kw):
     )(q, k, v, g, beta, s0, groups)
 
 
+def _kernel_precision(backend: str) -> str:
+    """The kernels' float32 matmuls: "high" (Triton TF32x3, tensor cores) on GPU when
+    ``TMAX_JAX_F32_DOT`` names a tensor-core algorithm for the JAX path's float32 matmuls, else
+    "highest" (Triton's IEEE float32: FMA loops, no tensor cores; Mosaic's fp32 contraction on TPU).
+    """
+    from tmax_jax.models.qwen35.numerics import f32_dot_setting
+
+    return "high" if backend == "gpu" and f32_dot_setting() != "highest" else "highest"
+
+
 def chunked_gated_delta_rule(
     q_BxTxHxK: jax.Array,
     k_BxTxHxK: jax.Array,
@@ -115,5 +125,11 @@ def chunked_gated_delta_rule(
         from tmax_jax.models.qwen35.delta_rule import chunked_gated_delta_rule as jax_delta_rule
 
         return jax_delta_rule(*args, chunk_size=chunk_size, out_dtype=out_dtype)
-    out, s_final = _sharded_pallas(args, chunk_size=chunk_size, backend=backend, interpret=interpret)
+    out, s_final = _sharded_pallas(
+        args,
+        chunk_size=chunk_size,
+        backend=backend,
+        interpret=interpret,
+        precision=_kernel_precision(backend),
+    )
     return (out if out_dtype is None else out.astype(out_dtype)), s_final
