@@ -152,27 +152,6 @@ def test_splash_kernel_in_interpret_mode_matches_numpy_float64():
         np.testing.assert_allclose(np.asarray(got), want, atol=5e-5, rtol=5e-5, err_msg=f"d{name}")
 
 
-def test_splash_kernel_under_a_mesh_runs_per_shard_and_matches_numpy():
-    """On 8 fake devices (rows over data x fsdp, kv heads over tensor) the kernel runs in shard_map."""
-    from tmax_jax.sharding import MeshConfig, make_mesh
-
-    rng = np.random.default_rng(2)
-    B, T, G, R, E = 4, 128, 2, 2, 128
-    q = rng.normal(size=(B, T, G, R, E)).astype(np.float32)
-    k, v = (rng.normal(size=(B, T, G, E)).astype(np.float32) for _ in range(2))
-    seg = np.ones((B, T), np.int32)
-    seg[1, 70:], seg[3, 100:] = 2, 0
-    idx = np.broadcast_to(np.arange(T), (B, T)).astype(np.int32)
-    ref, _ = numpy_attention_and_grads(q, k, v, idx, seg, np.arange(T), seg, np.zeros_like(q))
-    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
-    with jax.set_mesh(mesh):
-        fn = jax.jit(lambda q, k, v, s: splash_attention(q, k, v, s, interpret=True))
-        lowered = fn.lower(q, k, v, seg).as_text()
-        out = fn(q, k, v, seg)
-    assert "shard_map" in lowered or "sdy.manual_computation" in lowered
-    np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5, rtol=2e-5)
-
-
 @pytest.mark.parametrize(
     "B,T,G,R,E",
     [
@@ -202,21 +181,23 @@ def test_triton_kernel_in_interpret_mode_matches_numpy_float64(B, T, G, R, E):
     np.testing.assert_allclose(np.asarray(via), np.asarray(out), atol=1e-6, rtol=1e-6)
 
 
-def test_triton_kernel_under_a_mesh_runs_per_shard_and_matches_numpy():
-    """On 8 fake devices (rows over data x fsdp, kv heads over tensor) the kernel runs in shard_map."""
+@pytest.mark.parametrize("kernel,T,E", [(splash_attention, 128, 128), (triton_attention, 64, 32)])
+def test_kernels_under_a_mesh_run_per_shard_and_match_numpy(kernel, T, E):
+    """On 8 fake devices (rows over data x fsdp, kv heads over tensor) the TPU splash and the GPU
+    Triton kernels (interpret mode) run in shard_map."""
     from tmax_jax.sharding import MeshConfig, make_mesh
 
-    rng = np.random.default_rng(3)
-    B, T, G, R, E = 4, 64, 2, 2, 32
+    rng = np.random.default_rng(2)
+    B, G, R = 4, 2, 2
     q = rng.normal(size=(B, T, G, R, E)).astype(np.float32)
     k, v = (rng.normal(size=(B, T, G, E)).astype(np.float32) for _ in range(2))
     seg = np.ones((B, T), np.int32)
-    seg[1, 30:], seg[3, 50:] = 2, 0
+    seg[1, T // 2 :], seg[3, T - 20 :] = 2, 0
     idx = np.broadcast_to(np.arange(T), (B, T)).astype(np.int32)
     ref, _ = numpy_attention_and_grads(q, k, v, idx, seg, np.arange(T), seg, np.zeros_like(q))
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     with jax.set_mesh(mesh):
-        fn = jax.jit(lambda q, k, v, s: triton_attention(q, k, v, s, interpret=True))
+        fn = jax.jit(lambda q, k, v, s: kernel(q, k, v, s, interpret=True))
         lowered = fn.lower(q, k, v, seg).as_text()
         out = fn(q, k, v, seg)
     assert "shard_map" in lowered or "sdy.manual_computation" in lowered
