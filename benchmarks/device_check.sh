@@ -42,7 +42,7 @@ part() {
 
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 part 70 --part check
-part 60 --part attention  # GPU attention kernel vs the JAX form (the 32K step's super-linear part)
+part 70 --part attention  # GPU attention kernel vs the JAX form (the 32K step's super-linear part)
 part 200 --part train --size 2b --tokens 8192,32768,65536 --f32-dot bf16x6  # the MFU aim: 2B at 32K
 part 60 --part train --size 2b --tokens 8192 --f32-dot highest  # the baseline on the same machine
 part 80 --part engine --size 0.8b  # issue 17: bf16 decode at 64 and 256 slots
