@@ -181,7 +181,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--remat", default="none", choices=["none", "full", "dots"])
+    ap.add_argument("--remat", default="none", choices=["none", "full", "layers", "dots"])
     ap.add_argument("--device-counts", default="", help="comma list, default: 1 and all devices")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)

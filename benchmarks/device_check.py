@@ -461,7 +461,7 @@ def model_flops_per_token(cfg, n_matmul_params, seq):
 
 def part_train(args):
     """One optimizer step (forward, float32 log-probs, DPPO loss, backward, AdamW), bf16 compute,
-    float32 params, remat="full", one row of ``tokens`` tokens, one device."""
+    float32 params, remat="full" (or ``--remat``), one row of ``tokens`` tokens, one device."""
     from tmax_jax.models.qwen35 import Qwen35Config
     from tmax_jax.rl import OptimizerConfig, RLConfig
     from tmax_jax.rl.train_step import TrainStep, make_model
@@ -472,7 +472,7 @@ def part_train(args):
     # The smoke run exercises the kernels (interpret mode) in the step, which "auto" would not on CPU.
     kernels = "pallas" if args.smoke and args.kernels == "auto" else args.kernels
     cfg = dataclasses.replace(Qwen35Config.preset(size), kernels=kernels, attention_kernels=args.attention)
-    model = make_model(cfg, remat="full", dtype=jnp.bfloat16)
+    model = make_model(cfg, remat=args.remat, dtype=jnp.bfloat16)
     mesh_cfg = MeshConfig(data=1, fsdp=-1, tensor=1)
     step = TrainStep(
         model,
@@ -483,7 +483,10 @@ def part_train(args):
     holder = {"state": step.init_state()}
     n_params = sum(x.size for x in jax.tree.leaves(holder["state"].params))
     n_matmul = n_params - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
-    say(f"[train {size}] {n_params / 1e6:.1f}M params, kernels={cfg.kernels}, {jax.devices()[0].device_kind}")
+    say(
+        f"[train {size}] {n_params / 1e6:.1f}M params, kernels={cfg.kernels}, "
+        f"attention_kernels={cfg.attention_kernels}, remat={args.remat}, {jax.devices()[0].device_kind}"
+    )
     for tokens in token_counts:
         attempt(f"train {size} {tokens}", _train_one, args, cfg, step, holder, n_matmul, tokens, size)
 
@@ -565,7 +568,7 @@ def part_profile(args):
     )
     mesh_cfg = MeshConfig(data=1, fsdp=-1, tensor=1)
     step = TrainStep(
-        make_model(cfg, remat="full", dtype=jnp.bfloat16),
+        make_model(cfg, remat=args.remat, dtype=jnp.bfloat16),
         RLConfig(optimizer=OptimizerConfig(learning_rate=1e-6)),
         make_mesh(mesh_cfg, jax.devices()[:1]),
         mesh_cfg,
@@ -655,6 +658,12 @@ def main():
     ap.add_argument("--slots", default="64,256", help="engine: slot counts")
     ap.add_argument(
         "--kernels", default="auto", choices=["auto", "jax", "pallas"], help="train: delta-rule path"
+    )
+    ap.add_argument(
+        "--remat",
+        default="full",
+        choices=["full", "layers"],
+        help="train/profile: the model's remat (layers: no period-level recompute, more memory)",
     )
     ap.add_argument(
         "--attention",

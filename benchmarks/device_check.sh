@@ -7,8 +7,9 @@
 #      kernel) against the JAX flash form at the 2B shape (values, VJP), then fwd+bwd ms, TFLOP/s and
 #      compiled temporaries of both at 32K and 64K tokens (attention is the 32K step's super-linear part);
 #   3. 2B train steps at 8K, 32K and 64K tokens with TMAX_JAX_F32_DOT=bf16x6 (the float32 head on
-#      tensor cores), and at 8K with the default (exact float32 on CUDA cores) as the baseline of the
-#      same machine: tokens/s, MFU, peak device memory;
+#      tensor cores) and remat "layers" (no period-level recompute), and at 8K with the default
+#      (exact float32 on CUDA cores, remat "full", as the earlier runs) as the baseline of the same
+#      machine: tokens/s, MFU, peak device memory;
 #   4. the rollout engine's 0.8B bfloat16 decode at 64 and 256 slots: ms per step, tokens/s;
 #   5. a profile of one 2B step at 8K tokens (bf16x6): its busiest GPU kernels (trace copied to $OUT);
 #   6. the delta rule's ms, tokens/s, TFLOP/s and compiled temporaries, JAX path vs kernels (T=32K).
@@ -43,7 +44,7 @@ part() {
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 part 70 --part check
 part 70 --part attention  # GPU attention kernel vs the JAX form (the 32K step's super-linear part)
-part 200 --part train --size 2b --tokens 8192,32768,65536 --f32-dot bf16x6  # the MFU aim: 2B at 32K
+part 200 --part train --size 2b --tokens 8192,32768,65536 --f32-dot bf16x6 --remat layers  # the MFU aim: 2B at 32K
 part 60 --part train --size 2b --tokens 8192 --f32-dot highest  # the baseline on the same machine
 part 80 --part engine --size 0.8b  # issue 17: bf16 decode at 64 and 256 slots
 part 50 --part profile --size 2b --tokens 8192 --f32-dot bf16x6  # where the step's time goes

@@ -173,11 +173,60 @@ def test_remat_changes_neither_logits_nor_gradients():
         return f(params)
 
     v0, g0 = value_and_grad(perturbed_model(tie=True, seed=5, small=True))
-    for remat in ("full", "dots"):
+    for remat in ("full", "layers", "dots"):
         v1, g1 = value_and_grad(perturbed_model(tie=True, seed=5, small=True, remat=remat))
         np.testing.assert_allclose(v0, v1, rtol=1e-6, err_msg=remat)
         for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5, err_msg=remat)
+
+
+def test_remat_layers_runs_each_layer_forward_twice_full_three_times():
+    """The delta rule's chunk loops in the compiled gradient of one period (3 DeltaNet layers): "none"
+    runs each layer's forward once, "layers" twice (the pass and the layer's own recompute), "full"
+    three times (the period's recompute as well); each layer's backward loop once in every mode."""
+    ids = jnp.asarray(np.random.default_rng(6).integers(0, 512, (1, 70)).astype(np.int32))
+    loops = {}
+    for remat in ("none", "layers", "full"):
+        model = perturbed_model(tie=True, seed=6, small=True, remat=remat)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        loss = lambda p, g=graphdef, r=rest: nnx.merge(g, p, r)(ids).std()  # noqa: E731
+        loops[remat] = jax.jit(jax.grad(loss)).lower(params).as_text().count("stablehlo.while")
+    lin = model.config.num_linear_layers
+    assert loops["layers"] - loops["none"] == lin, loops
+    assert loops["full"] - loops["layers"] == lin, loops
+
+
+def test_remat_layers_keeps_layer_inputs_not_weight_copies():
+    """What the backward keeps under "layers" (jax's saved_residuals, the memory plan's source): each
+    layer's two inputs, [B, T, D] each, and no copy of a big weight (each layer's weights reach its
+    checkpoint as slices of the period loop's inputs, which the loop does not stack again). Only the
+    small ones (norms, conv taps, decay parameters: read through a one-hot dot) are saved."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from tmax_jax.models.qwen35 import Qwen35Config
+    from tmax_jax.models.qwen35.model import _SMALL_WEIGHT_ELEMENTS
+
+    cfg = Qwen35Config.preset("tiny", hidden_size=512, intermediate_size=1024, num_hidden_layers=8)
+    ids = jnp.zeros((2, 64), jnp.int32)
+    saved = {}
+    for remat in ("full", "layers"):
+        model = nnx.eval_shape(lambda r=remat: Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0), remat=r))
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        res = saved_residuals(lambda p, g=graphdef, r=rest: nnx.merge(g, p, r)(ids).sum(), params)
+        saved[remat] = [a for a, src in res if "from the argument" not in src]
+    row = (2, 64, 512)
+    # [B, T, D] buffers kept, counted in rows (some stacked over the periods by the loop).
+    inputs = {
+        remat: sum(a.size for a in avals if a.shape[-3:] == row) // np.prod(row)
+        for remat, avals in saved.items()
+    }
+    assert inputs["layers"] >= 2 * cfg.num_hidden_layers > inputs["full"], inputs
+    # The MLP's weights ([512, 1024] and [1024, 512], big) are never saved, stacked or not.
+    assert not [a.shape for a in saved["layers"] if a.shape[-2:] in ((512, 1024), (1024, 512))]
+    # Beyond what "full" keeps too (e.g. the tied head's transpose): small weights, one per period.
+    full_shapes = {a.shape for a in saved["full"]}
+    extra = [a for a in saved["layers"] if a.shape[-3:] != row and a.shape not in full_shapes]
+    assert extra and all(a.size // cfg.num_groups <= _SMALL_WEIGHT_ELEMENTS for a in extra), extra
 
 
 def test_cache_layout_reset_rows_and_pytree(model):

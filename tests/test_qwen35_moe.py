@@ -294,12 +294,13 @@ def test_train_step_replays_routing_and_reports_router_load(text_case):
     np.testing.assert_allclose(float(first["router/idle_experts"]), (load == 0).mean(), rtol=1e-6)
 
 
-def test_router_stats_and_replay_under_remat_give_router_gradients(text_case):
-    """remat="full" (per-layer hand-made checkpoints): router stats, replayed ids and the ids used
-    pass through the checkpoints; the aux loss reaches the router, and with every token replayed the
-    ids used are the replayed ones."""
+@pytest.mark.parametrize("remat", ["full", "layers"])
+def test_router_stats_and_replay_under_remat_give_router_gradients(text_case, remat):
+    """remat="full" or "layers" (per-layer hand-made checkpoints): router stats, replayed ids and the
+    ids used pass through the checkpoints; the aux loss reaches the router, and with every token
+    replayed the ids used are the replayed ones."""
     path, _, _ = text_case
-    model = load_hf(path, remat="full")
+    model = load_hf(path, remat=remat)
     ids = jnp.asarray(random_ids(np.random.default_rng(5), 1, 8, 256))
     replay = jnp.asarray(
         np.stack([np.random.default_rng(i).permutation(8)[:3] for i in range(32)]).reshape(4, 1, 8, 3)

@@ -56,6 +56,21 @@ def test_activations_grow_with_the_per_device_batch():
     assert no_remat.activations_resident > small.activations_resident  # remat keeps less
 
 
+def test_remat_layers_plan_sits_between_full_and_none():
+    """remat="layers" keeps every layer's two inputs for the whole backward pass (more resident than
+    "full", far less than no remat) and, while a layer recomputes, its internals only (no period's
+    worth of layer inputs on top, as "full" has)."""
+    plans = {
+        remat: make_plan(
+            load_train_config(None, TINY | {"rl": {"train_step": {"micro_batches": 1, "remat": remat}}})
+        )
+        for remat in ("none", "full", "layers")
+    }
+    res = {k: p.activations_resident for k, p in plans.items()}
+    assert res["full"] < res["layers"] < res["none"], res
+    assert plans["layers"].activations_transient < plans["full"].activations_transient
+
+
 @pytest.mark.parametrize("form", ["positional", "option"])
 def test_plan_command_prints_the_table(tmp_path, capsys, form):
     cfg = tmp_path / "run.yaml"

@@ -6,7 +6,8 @@ mesh and rules. Activations come from ``saved_residuals`` of the real train loss
 per-device micro-batch: *resident* is what the backward pass keeps for the whole model (with the
 configured remat), *transient* is what one rematerialised piece holds while its backward runs (with
 ``remat="full"``: a period's layer inputs (two per layer: the mixer half's and the MLP half's) plus
-the largest single layer's internals; otherwise one
+the largest single layer's internals; with ``"layers"`` every layer's inputs are resident and the
+transient is the largest layer's internals; otherwise one
 layer-pattern period's internals) plus the float32 LM-head chunk buffers.
 
 The trace runs without a mesh, so it sees whole rows; the mesh's splits of activations are applied
@@ -200,9 +201,11 @@ def make_plan(cfg: TrainConfig) -> MemoryPlan:
     whole_row = local_rows * cfg.seq_len * model_cfg.hidden_size * dtype.itemsize
     unsplit = whole_row - whole_row // t
     # With remat="full" the backward keeps only token-wise buffers (period inputs, the final norm,
-    # the head's inputs), all split by the sequence rule; otherwise it keeps the layers' internals.
+    # the head's inputs), all split by the sequence rule; "layers" likewise, with every layer's two
+    # inputs in place of the periods'; otherwise it keeps the layers' internals.
+    tokenwise = remat in ("full", "layers")
     resident, largest = _activation_bytes(
-        model_cfg, cfg, local_rows, dtype, param_dtype, t if (remat == "full" or heads) else 1
+        model_cfg, cfg, local_rows, dtype, param_dtype, t if (tokenwise or heads) else 1
     )
     if t > 1:
         resident += unsplit  # the final hidden states, gathered for the vocab-split LM head
@@ -210,17 +213,19 @@ def make_plan(cfg: TrainConfig) -> MemoryPlan:
         cfg, rl=dataclasses.replace(cfg.rl, train_step=dataclasses.replace(cfg.rl.train_step, remat="none"))
     )
     pattern = model_cfg.layer_pattern
-    if remat == "full":
+    if tokenwise:
         # A period's backward holds its layers' inputs and one layer's internals at a time (each
         # layer is two checkpoints, its mixer half and its MLP half, block.py, each saving its input);
         # the largest layer kind sets the transient. A layer's residuals traced whole bound its
-        # larger half's (the MLP's own are its input alone past MLP_CHUNK tokens).
+        # larger half's (the MLP's own are its input alone past MLP_CHUNK tokens). With "layers"
+        # every layer's inputs are resident already (traced above).
         transient, largest_t = 0, (0, "")
         for kind in sorted(set(pattern)):
             one_layer = dataclasses.replace(model_cfg, num_hidden_layers=1, layer_types=(kind,))
             n, big = _activation_bytes(one_layer, no_remat, local_rows, dtype, param_dtype, t if heads else 1)
             transient, largest_t = max(transient, n), max(largest_t, big)
-        transient += 2 * len(pattern) * (whole_row // t)  # the halves' inputs, split by tokens
+        if remat == "full":
+            transient += 2 * len(pattern) * (whole_row // t)  # the halves' inputs, split by tokens
         largest = max(largest, largest_t)
         if heads:
             transient += 2 * unsplit  # the mixer's and the MLP's all-gathered inputs

@@ -79,6 +79,7 @@ def _split_small_weights(block_state, G: int):
 _REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
+    "layers": None,  # the layers' own checkpoints only: nothing wraps the period
     "dots": jax.checkpoint_policies.checkpoint_dots,
 }
 
@@ -239,8 +240,12 @@ class Qwen35ForCausalLM(nnx.Module):
 
         # "full": the period is one checkpoint and, inside it, every layer another; the backward pass
         # keeps each period's input, and while it runs, one period's layer inputs and one layer's
-        # internals. "dots": one checkpoint per period keeping its matmul outputs.
-        remat_layers = self.remat == "full"
+        # internals. Every layer's forward then runs three times per step: the pass itself, the
+        # period's recompute and the layer's own. "layers": the layers' checkpoints without the
+        # period's, so the forward runs twice (about a fifth less work per step) and the backward
+        # keeps every layer's two inputs ([B, T, D] each) for the whole pass. "dots": one checkpoint
+        # per period keeping its matmul outputs.
+        remat_layers = self.remat in ("full", "layers")
 
         # Without a cache the loop slices only the big weights; each period assembles its small ones
         # inside the (possibly checkpointed) period, so the backward recomputes them (no residual).
@@ -259,7 +264,7 @@ class Qwen35ForCausalLM(nnx.Module):
             return x, (new, aux)
 
         policy = _REMAT_POLICIES[self.remat]
-        if remat_layers and cache is None:
+        if self.remat == "full" and cache is None:
 
             def run(state, x, consts):
                 ctx, replay = consts
@@ -271,7 +276,7 @@ class Qwen35ForCausalLM(nnx.Module):
                 out = recompute_in_backward(run, with_small(xs[0]), x, (ctx, xs[2]))
                 return (out[0], (None, out[1])) if collect else (out, (None, {}))
 
-        elif self.remat != "none":
+        elif self.remat not in ("none", "layers"):
             period = jax.checkpoint(period, policy=policy, prevent_cse=False)
 
         if periods is not None and (cache is None or len(periods) != G):
