@@ -278,18 +278,29 @@ def chunk_flops(C, K, V):
     return fwd, bwd
 
 
-def _time_delta_rule(label, fn, inputs, flops, tokens, repeats, token_heads=None):
+def compile_and_time(fn, inputs, repeats):
+    """A jitted ``fn`` on ``inputs``: ``(compile seconds, first call seconds, median of repeats,
+    XLA's compiled temporaries in bytes or the error's name when the backend gives none)``."""
     t0 = time.perf_counter()
     compiled = fn.lower(*inputs).compile()
     compile_s = time.perf_counter() - t0
+    try:
+        temp = compiled.memory_analysis().temp_size_in_bytes
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        temp = type(e).__name__
+    first, med = timed(lambda: compiled(*inputs), repeats)
+    return compile_s, first, med, temp
+
+
+def _time_delta_rule(label, fn, inputs, flops, tokens, repeats, token_heads=None):
+    compile_s, _, med, temp = compile_and_time(fn, inputs, repeats)
     mem = ""
     if token_heads is not None:
-        try:
-            temp = compiled.memory_analysis().temp_size_in_bytes
-            mem = f"  temporaries {gib(temp)} ({temp / token_heads / 1024:.2f} KiB/token/head)"
-        except Exception as e:  # noqa: BLE001
-            mem = f"  temporaries n/a ({type(e).__name__})"
-    _, med = timed(lambda: compiled(*inputs), repeats)
+        mem = (
+            f"  temporaries n/a ({temp})"
+            if isinstance(temp, str)
+            else f"  temporaries {gib(temp)} ({temp / token_heads / 1024:.2f} KiB/token/head)"
+        )
     say(
         f"[kernel] {label}  compile {compile_s:6.2f}s  {med * 1e3:9.2f} ms  {tokens / med:12.0f} tok/s  "
         f"{flops / med / 1e12:7.2f} TFLOP/s{mem}"
@@ -389,16 +400,13 @@ def _time_attention(name, kernels, B, T, G, R, E, block, smoke):
     train = jax.jit(
         jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v, seg).astype(jnp.float32) * w), (0, 1, 2))
     )
-    t0 = time.perf_counter()
-    compiled = train.lower(q, k, v).compile()
-    compile_s = time.perf_counter() - t0
-    temp = compiled.memory_analysis().temp_size_in_bytes
-    first, med = timed(lambda: compiled(q, k, v), 1 if smoke else 3)
+    compile_s, first, med, temp = compile_and_time(train, (q, k, v), 1 if smoke else 3)
     # Causal: forward 2 matmuls over half the T x T scores, backward 5 (scores again, dP, dQ, dK, dV).
     flops = 7 * B * G * R * E * T * T
+    mem = f"n/a ({temp})" if isinstance(temp, str) else f"{temp / 2**20:9.1f} MiB"
     say(
         f"[attention] {name:6s} T={T:6d} fwd+bwd compile {compile_s:5.1f}s first {first:5.2f}s  {med * 1e3:9.2f} ms  "
-        f"{flops / med / 1e12:7.1f} TFLOP/s (causal)  temporaries {temp / 2**20:9.1f} MiB"
+        f"{flops / med / 1e12:7.1f} TFLOP/s (causal)  temporaries {mem}"
     )
     return med
 

@@ -32,9 +32,9 @@ outgoing one, and ``carried`` whether the whole chunk continues the incoming sta
 attention precomputes ``u = T diag(beta) V`` and ``w = T k_read`` and writes ``v_new = u - w S``; applying
 T after the subtraction is the same value with one [C, C] x [C, dk] matmul less, and its backward needs
 no ``w``: the CPU form. On accelerators this code precomputes ``u`` and ``w`` too, which leaves two
-dependent matmuls per chunk on the sequential chain instead of three: ``_form``.) The code is split the way a kernel is, as in flash-linear-attention's chunk_gated_delta_rule
-(a sequential pass over chunk states, ``fwd_h``; a backward of a sequential ``dh`` pass and parallel
-per-chunk gradients):
+dependent matmuls per chunk on the sequential chain instead of three: ``_form``.) The code is split
+the way a kernel is, as in flash-linear-attention's chunk_gated_delta_rule (a sequential pass over
+chunk states, ``fwd_h``; a backward of a sequential ``dh`` pass and parallel per-chunk gradients):
 
 * ``_chunk_masks``: the packing masks of a chunk from its groups and the incoming state's group.
 * ``_chunk_prepare``: everything in a chunk that does not depend on the carried state (T, the read
