@@ -145,3 +145,62 @@ def train_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512):
 
 def random_ids(rng: np.random.Generator, batch: int, length: int, vocab: int) -> np.ndarray:
     return rng.integers(0, vocab, size=(batch, length), dtype=np.int32)
+
+
+def make_torch_mtp(config_dict: dict[str, Any], *, num_layers: int = 1, seed: int = 0):
+    """A reference multi-token-prediction module built from transformers' own Qwen 3.5 layers (a
+    full-attention ``Qwen3_5DecoderLayer``, ``Qwen3_5RMSNorm``, the text rotary embedding), composed
+    as published checkpoints' ``mtp.*`` tensors are used: ``fc([norm_e(embed(next)), norm_h(hidden)])``,
+    the layers, a final norm. Random, perturbed, float32. ``forward(embed_weight, hidden, next_ids)``
+    runs one causal sequence per row from position 0; ``mtp_state_dict()`` names its tensors as a
+    checkpoint does (``mtp.``...)."""
+    import torch
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    torch.manual_seed(seed)
+    cfg = Qwen3_5TextConfig(**config_dict)
+    cfg._attn_implementation = "eager"
+    full = cfg.layer_types.index("full_attention")
+    D = cfg.hidden_size
+
+    class TorchMTP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(2 * D, D, bias=False)
+            self.pre_fc_norm_embedding = m.Qwen3_5RMSNorm(D, eps=cfg.rms_norm_eps)
+            self.pre_fc_norm_hidden = m.Qwen3_5RMSNorm(D, eps=cfg.rms_norm_eps)
+            self.layers = torch.nn.ModuleList(m.Qwen3_5DecoderLayer(cfg, full) for _ in range(num_layers))
+            self.norm = m.Qwen3_5RMSNorm(D, eps=cfg.rms_norm_eps)
+            self.rotary = m.Qwen3_5TextRotaryEmbedding(cfg)
+
+        def forward(self, embed_weight, hidden, next_ids):
+            e = torch.nn.functional.embedding(next_ids, embed_weight)
+            x = self.fc(torch.cat([self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(hidden)], dim=-1))
+            B, T = next_ids.shape
+            pos = torch.arange(T)[None].expand(B, T)
+            pe = self.rotary(x, pos[None].expand(3, B, T))
+            mask = torch.full((T, T), float("-inf")).triu(1)[None, None].expand(B, 1, T, T)
+            for layer in self.layers:
+                x = layer(x, position_embeddings=pe, attention_mask=mask, position_ids=pos)
+            return self.norm(x)
+
+        def mtp_state_dict(self):
+            return {f"mtp.{k}": v.detach().clone().contiguous() for k, v in self.named_parameters()}
+
+    model = TorchMTP()
+    perturb_(model, seed)
+    return model.float().eval()
+
+
+def add_mtp_to_checkpoint(path: str | Path, *, num_layers: int = 1, seed: int = 0):
+    """Writes a random MTP module's tensors (``make_torch_mtp``) into checkpoint ``path`` as
+    ``mtp.safetensors``; returns the torch module."""
+    from safetensors.torch import save_file
+
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    keys = set(TINY_TEXT_CONFIG) | {"layer_types"}
+    mtp = make_torch_mtp({k: v for k, v in text.items() if k in keys}, num_layers=num_layers, seed=seed)
+    save_file(mtp.mtp_state_dict(), str(Path(path) / "mtp.safetensors"))
+    return mtp

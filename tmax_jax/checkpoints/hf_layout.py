@@ -192,5 +192,23 @@ def all_params(cfg: Qwen35Config, prefix: str = TEXT_PREFIX) -> list[StackedPara
     return [*global_params(cfg, prefix), *layer_params(cfg, prefix)]
 
 
-# Tensors a published checkpoint may carry that the text decoder does not use.
+# Tensors a published checkpoint may carry that the text decoder does not use (the MTP module's
+# are read by ``load_mtp``).
 IGNORED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
+MTP_PREFIXES = ("mtp.", "model.mtp.")
+
+
+def mtp_params(cfg: Qwen35Config, prefix: str, num_layers: int) -> list[StackedParam]:
+    """The MTP module's parameters (``models.qwen35.mtp``): its fc and three norms, and
+    ``num_layers`` full-attention decoder layers stacked like the target's."""
+    out = [
+        StackedParam(("fc",), Rule("fc.weight", ("fc",), _t, _t), (f"{prefix}fc.weight",), False),
+        *(
+            StackedParam((n,), Rule(f"{n}.weight", (n,), _same, _same), (f"{prefix}{n}.weight",), False)
+            for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
+        ),
+    ]
+    for rule in NORM_RULES + mlp_rules(cfg) + ATTENTION_RULES:
+        names = tuple(f"{prefix}layers.{i}.{rule.hf_suffix}" for i in range(num_layers))
+        out.append(StackedParam(("layers", *rule.ours), rule, names, True))
+    return out

@@ -19,15 +19,18 @@ from flax import nnx
 
 from tmax_jax.checkpoints.hf_layout import (
     IGNORED_PREFIXES,
+    MTP_PREFIXES,
     TEXT_PREFIX,
     VLM_PREFIX,
     StackedParam,
     all_params,
+    mtp_params,
     per_expert_names,
 )
 from tmax_jax.checkpoints.safetensors_io import SafetensorsFile
 from tmax_jax.errors import CheckpointError, ConfigError
 from tmax_jax.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
+from tmax_jax.models.qwen35.mtp import MultiTokenPredictor
 
 Rules = Mapping[str, str | tuple[str, ...] | None] | Sequence[tuple[str, str | tuple[str, ...] | None]]
 
@@ -158,6 +161,58 @@ def load_hf(
             arr = jax.device_put(value)
         del value
         var.set_value(arr)
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def load_mtp(path: str | Path, dtype="float32", *, param_dtype=None) -> MultiTokenPredictor | None:
+    """The checkpoint's multi-token-prediction module (``mtp.*`` tensors; the draft model of
+    ``Engine(speculative_tokens=...)``), or None when it holds none. Its layer count is the number of
+    ``mtp.layers.{i}`` the checkpoint holds."""
+    path = Path(path)
+    cfg = read_hf_config(path)
+    files = _weight_files(path)
+    prefix = next((p for p in MTP_PREFIXES if any(n.startswith(p) for n in files)), None)
+    if prefix is None:
+        return None
+    ids = {int(n[len(prefix) + 7 :].split(".")[0]) for n in files if n.startswith(prefix + "layers.")}
+    if not ids or ids != set(range(len(ids))):
+        raise CheckpointError(f"{path}: MTP layers must be numbered 0..n-1, got {sorted(ids)}")
+    params = mtp_params(cfg, prefix, len(ids))
+    expected = {n for p in params for n in p.hf_names}
+    available = {n for n in files if n.startswith(prefix)}
+    assembled: dict[str, list[tuple[str, ...]]] = {}
+    for name in expected - available:
+        parts = per_expert_names(name, cfg.num_experts) if cfg.is_moe else None
+        if parts and all(n in available for group in parts for n in group):
+            assembled[name] = parts
+    available = (available - {n for parts in assembled.values() for g in parts for n in g}) | set(assembled)
+    missing, extra = sorted(expected - available), sorted(available - expected)
+    if missing or extra:
+        raise CheckpointError(
+            f"{path}: MTP tensors do not match a {len(ids)}-layer MTP module: missing {missing[:8]}, "
+            f"unexpected {extra[:8]}"
+        )
+    pdtype = jnp.dtype(param_dtype if param_dtype is not None else dtype)
+    abstract = nnx.eval_shape(
+        lambda: MultiTokenPredictor(
+            cfg, len(ids), dtype=jnp.dtype(dtype), param_dtype=pdtype, rngs=nnx.Rngs(0)
+        )
+    )
+    graphdef, state = nnx.split(abstract)
+    flat = dict(nnx.to_flat_state(state))
+    opened: dict[Path, SafetensorsFile] = {}
+
+    def read(name: str) -> np.ndarray:
+        if name in assembled:
+            return np.stack([np.concatenate([read(n) for n in group], axis=0) for group in assembled[name]])
+        f = files[name]
+        if f not in opened:
+            opened[f] = SafetensorsFile(f)
+        return opened[f].get(name)
+
+    for p in params:
+        var = flat[p.path]
+        var.set_value(jax.device_put(_read_param(p, var.shape, read, cfg, pdtype)))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 

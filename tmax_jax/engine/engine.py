@@ -72,7 +72,9 @@ class DecodeState:
 @struct.dataclass
 class DecodeBlock:
     """The output of ``generate_block``: step ``j``'s token of slot ``s`` at ``[j, s]``. A slot's
-    tokens after it stopped (stop token, ``max_tokens``, full cache) are not ``valid``."""
+    tokens after it stopped (stop token, ``max_tokens``, full cache) are not ``valid``. A speculative
+    engine's step ``j`` fills rows ``j * R .. j * R + R - 1`` (``R = Engine.tokens_per_step``); the
+    first is valid for every slot decoding, the others for the tokens the step emitted."""
 
     tokens: jax.Array  # int32 [K, S]
     valid: jax.Array  # bool [K, S]
@@ -138,10 +140,11 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n - 1).bit_length())
 
 
-def _batch_axes(model: Any, max_len: int, dtype: Any) -> list[int]:
-    """For each cache leaf, the axis that indexes batch rows (found from two abstract caches)."""
-    a = jax.tree.leaves(jax.eval_shape(lambda: model.init_cache(2, max_len, dtype=dtype)))
-    b = jax.tree.leaves(jax.eval_shape(lambda: model.init_cache(3, max_len, dtype=dtype)))
+def _batch_axes(make_cache: Any) -> list[int]:
+    """For each leaf of ``make_cache(batch)``'s cache, the axis that indexes batch rows (found from
+    two abstract caches)."""
+    a = jax.tree.leaves(jax.eval_shape(lambda: make_cache(2)))
+    b = jax.tree.leaves(jax.eval_shape(lambda: make_cache(3)))
     axes = []
     for x, y in zip(a, b):
         diff = [i for i, (p, q) in enumerate(zip(x.shape, y.shape)) if p != q]
@@ -174,6 +177,14 @@ class Engine(EngineAPI):
         a copy made at construction and at each ``update_params``) and run the periods unrolled in
         prefill and decode. Scanning the stacked weights instead makes XLA copy each period's slice
         at every decode step; unrolling costs compile time that grows with the period count.
+      mtp, speculative_tokens: speculative decoding. ``mtp`` is the checkpoint's multi-token-prediction
+        module (``checkpoints.load_mtp``); each decode step of ``generate_block`` drafts
+        ``speculative_tokens`` tokens with it and verifies them in one forward pass of the model over
+        ``speculative_tokens + 1`` tokens per slot. Each draft is sampled with the key the model's
+        own token at its position uses, and kept only when it equals that token, so every emitted
+        token and logprob is the model's own (the tokens are those of decoding without drafts, up to
+        float rounding between the two forms); a step emits 1 to ``speculative_tokens + 1`` tokens.
+        The draft reads the cache as extra attention layers. 0 = off.
     """
 
     def __init__(
@@ -196,6 +207,8 @@ class Engine(EngineAPI):
         prompt_cache_entries: int = 4,
         record_routing: bool = False,
         unroll_periods: bool = True,
+        mtp: Any = None,
+        speculative_tokens: int = 0,
     ):
         for name, v in [
             ("decode_steps", decode_steps),
@@ -219,6 +232,39 @@ class Engine(EngineAPI):
             )
         if record_routing and not getattr(getattr(model, "config", None), "is_moe", False):
             raise ConfigError("Engine: record_routing needs a MoE model (num_experts > 0)")
+        if (
+            isinstance(speculative_tokens, bool)
+            or not isinstance(speculative_tokens, int)
+            or speculative_tokens < 0
+        ):
+            raise ConfigError(
+                f"Engine: speculative_tokens must be an integer >= 0, got {speculative_tokens!r}"
+            )
+        if speculative_tokens and mtp is None:
+            raise ConfigError(
+                "Engine: speculative_tokens needs the draft module: mtp=load_mtp(checkpoint) "
+                "(the checkpoint must hold mtp.* tensors)"
+            )
+        if speculative_tokens and record_routing:
+            raise ConfigError("Engine: speculative decoding does not record MoE routing (record_routing)")
+        if speculative_tokens and not unroll_periods:
+            raise ConfigError(
+                "Engine: speculative decoding runs the layer periods unrolled (unroll_periods=True)"
+            )
+        if speculative_tokens and mtp.config.hidden_size != model.config.hidden_size:
+            raise ConfigError(
+                f"Engine: the MTP module's hidden size {mtp.config.hidden_size} != the model's "
+                f"{model.config.hidden_size}"
+            )
+        self._draft_k = speculative_tokens
+        self.tokens_per_step = speculative_tokens + 1
+        if speculative_tokens:
+            self._mtp_graphdef, self._mtp_state = nnx.split(mtp)
+            self._mtp_layers = mtp.num_layers
+            self._n_full = model.config.num_full_layers
+        else:
+            self._mtp_graphdef = self._mtp_state = None
+            self._mtp_layers = self._n_full = 0
         self.record_routing = bool(record_routing)
         # (layers, top_k) of each token's recorded experts (DecodeBlock.experts); None without recording.
         self.routing_shape = (
@@ -263,14 +309,14 @@ class Engine(EngineAPI):
         )
         # Prefill work: rows prefilled, calls made, requests that forked a prompt already prefilled.
         self.prefill_counts: collections.Counter[str] = collections.Counter()
-        self._axes = _batch_axes(model, max_cache_length, cache_dtype)
+        self._axes = _batch_axes(lambda b: self._init_cache(model, b, max_cache_length))
         self._cache_treedef = jax.tree.structure(
-            jax.eval_shape(lambda: model.init_cache(1, max_cache_length, dtype=cache_dtype))
+            jax.eval_shape(lambda: self._init_cache(model, 1, max_cache_length))
         )
         self.vocab_size = int(jax.eval_shape(model.lm_head_weight).shape[-1])
         # Trace counts per jitted function: a retrace is a recompile, so tests can assert none happen.
         self.trace_counts: collections.Counter[str] = collections.Counter()
-        probe = jax.eval_shape(lambda: model.init_cache(1, max_cache_length, dtype=cache_dtype))
+        probe = jax.eval_shape(lambda: self._init_cache(model, 1, max_cache_length))
         self._narrowable = hasattr(probe, "narrow") and hasattr(probe, "widen_into")
         self._prefill_fresh_jit = launch.jit(self._prefill_fresh_impl, static_argnums=(3,))
         self._prefill_cont_jit = launch.jit(self._prefill_cont_impl, static_argnums=(4,))
@@ -438,7 +484,7 @@ class Engine(EngineAPI):
         s = self._slots
         model, _ = self._merge(params)
         return DecodeState(
-            cache=model.init_cache(s, self._max_len, dtype=self._cache_dtype),
+            cache=self._init_cache(model, s, self._max_len),
             tokens=jnp.zeros((s,), jnp.int32),
             generated=jnp.zeros((s,), jnp.int32),
             active=jnp.zeros((s,), bool),
@@ -473,27 +519,103 @@ class Engine(EngineAPI):
         last_BxD = jnp.take_along_axis(hidden_BxTxD, last_B[:, None, None], axis=1)[:, 0]
         return self._logits(model, last_BxD)
 
-    def _prefill_fresh_impl(self, params, tokens_BxT, true_len_B, attend: int):
+    def _init_cache(self, model, batch: int, length: int):
+        """The model's cache, and with speculative decoding the draft's: its KV as extra attention
+        layers, its pending inputs as ``draft`` (``_draft_prefill``)."""
+        cache = model.init_cache(batch, length, dtype=self._cache_dtype)
+        if not self._draft_k:
+            return cache
+        shape = (batch, model.config.num_key_value_heads, length, model.config.head_dim)
+        extra = tuple(jnp.zeros(shape, self._cache_dtype) for _ in range(self._mtp_layers))
+        k1, D = self._draft_k + 1, model.config.hidden_size
+        draft = dict(
+            hidden=jnp.zeros((batch, k1, D), model.dtype),
+            ids=jnp.zeros((batch, k1), jnp.int32),
+            n=jnp.zeros((batch,), jnp.int32),
+        )
+        return cache.replace(k=cache.k + extra, v=cache.v + extra, draft=draft)
+
+    def _mtp_kv(self, cache):
+        n = self._n_full
+        return tuple((cache.k[n + i], cache.v[n + i]) for i in range(self._mtp_layers))
+
+    def _with_mtp_kv(self, cache, kv):
+        n = self._n_full
+        return cache.replace(k=cache.k[:n] + tuple(a for a, _ in kv), v=cache.v[:n] + tuple(b for _, b in kv))
+
+    def _draft_prefill(self, model, mtp, cache, hidden_BxTxD, tokens_BxT, true_len_B, base_B):
+        """After a prefill of ``tokens_BxT[b, :true_len_B[b]]`` (``base_B`` tokens cached before it,
+        None: none): the draft module reads every position whose next token is known — the pending
+        ones of the cache before (``draft``; the last one's next token is this chunk's first) and the
+        chunk's but its last — and the chunk's last hidden state becomes the one pending input,
+        whose next token is the one sampled from it (set by ``insert`` or the next chunk)."""
+        B, T, D = hidden_BxTxD.shape
+        t = jnp.arange(T)
+        h_BxTxD = hidden_BxTxD
+        next_BxT = jnp.concatenate([tokens_BxT[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
+        valid_BxT = t[None] < (true_len_B - 1)[:, None]
+        if base_B is None:
+            start_B = jnp.zeros((B,), jnp.int32)
+        else:  # the pending inputs first (n of them), then the chunk's, left-aligned in one row
+            dr = cache.draft
+            n_B = dr["n"]
+            k1 = dr["ids"].shape[1]
+            ids = jax.vmap(lambda r, i, v: r.at[i].set(v))(
+                dr["ids"], jnp.maximum(n_B - 1, 0), tokens_BxT[:, 0]
+            )
+            j = jnp.arange(k1 + T)
+            from_chunk = j[None] >= n_B[:, None]
+            src = jnp.where(from_chunk, k1 + j[None] - n_B[:, None], j[None])  # index into [pending | chunk]
+            both_h = jnp.concatenate([dr["hidden"].astype(h_BxTxD.dtype), h_BxTxD], axis=1)
+            both_ids = jnp.concatenate([ids, next_BxT], axis=1)
+            both_valid = jnp.concatenate([jnp.arange(k1)[None] < n_B[:, None], valid_BxT], axis=1)
+            h_BxTxD = jnp.take_along_axis(both_h, src[..., None], axis=1)
+            next_BxT = jnp.take_along_axis(both_ids, src, axis=1)
+            valid_BxT = jnp.take_along_axis(both_valid, src, axis=1)
+            start_B = base_B - n_B
+            t = j
+        positions = start_B[:, None] + t[None]
+        mtp_model = nnx.merge(self._mtp_graphdef, mtp)
+        _, kv = mtp_model(
+            model.embed_tokens[...], h_BxTxD, next_BxT, positions, valid_BxT.astype(jnp.int32),
+            self._mtp_kv(cache), start_B,
+        )  # fmt: skip
+        last_B = jnp.maximum(true_len_B - 1, 0)
+        last_BxD = jnp.take_along_axis(hidden_BxTxD, last_B[:, None, None], axis=1)[:, 0]
+        k1 = self._draft_k + 1
+        draft = dict(
+            hidden=jnp.zeros((B, k1, D), hidden_BxTxD.dtype).at[:, 0].set(last_BxD),
+            ids=jnp.zeros((B, k1), jnp.int32),
+            n=jnp.ones((B,), jnp.int32),
+        )
+        return self._with_mtp_kv(cache, kv).replace(draft=draft)
+
+    def _prefill_fresh_impl(self, params, tokens_BxT, true_len_B, attend: int, mtp=None):
         """Prompts ``tokens_BxT[b, :true_len_B[b]]`` on empty caches; (cache at max length, last logits)."""
         B, T = tokens_BxT.shape
         self.trace_counts[f"prefill_{B}x{T}"] += 1
         model, periods = self._merge(params)
         segment_BxT = (jnp.arange(T)[None, :] < true_len_B[:, None]).astype(jnp.int32)
-        cache = model.init_cache(B, attend, dtype=self._cache_dtype)
+        cache = self._init_cache(model, B, attend)
         hidden_BxTxD, cache = self._hidden(model, periods, tokens_BxT, segment_ids=segment_BxT, cache=cache)
+        if mtp is not None:
+            cache = self._draft_prefill(model, mtp, cache, hidden_BxTxD, tokens_BxT, true_len_B, None)
         if attend < self._max_len:
-            cache = cache.widen_into(model.init_cache(B, self._max_len, dtype=self._cache_dtype))
+            cache = cache.widen_into(self._init_cache(model, B, self._max_len))
         return cache, self._last_logits(model, hidden_BxTxD, true_len_B)
 
-    def _prefill_cont_impl(self, params, cache, tokens_1xT, true_length, attend: int):
+    def _prefill_cont_impl(self, params, cache, tokens_1xT, true_length, attend: int, mtp=None):
         """One chunk of one request on top of its cache (``attend`` covers the cached tokens too)."""
         self.trace_counts[f"prefill_cont_{tokens_1xT.shape[1]}"] += 1
         model, periods = self._merge(params)
         t = tokens_1xT.shape[1]
         segment_1xT = (jnp.arange(t)[None, :] < true_length).astype(jnp.int32)
-        hidden_1xTxD, small = self._hidden(
-            model, periods, tokens_1xT, segment_ids=segment_1xT, cache=self._narrow(cache, attend)
-        )
+        narrow = self._narrow(cache, attend)
+        hidden_1xTxD, small = self._hidden(model, periods, tokens_1xT, segment_ids=segment_1xT, cache=narrow)
+        if mtp is not None:
+            small = self._draft_prefill(
+                model, mtp, small, hidden_1xTxD, tokens_1xT, true_length[None], narrow.lengths
+            )
         return self._widen(small, cache), self._last_logits(model, hidden_1xTxD, true_length[None])
 
     def _row_impl(self, cache_B, logits_BxV, row):
@@ -620,12 +742,12 @@ class Engine(EngineAPI):
             if cache is None:
                 attend = self.attend_length(chunk.shape[1])
                 cache, logits = self._prefill_fresh_jit(
-                    params, jnp.asarray(chunk), jnp.full((1,), n, jnp.int32), attend
+                    params, jnp.asarray(chunk), jnp.full((1,), n, jnp.int32), attend, mtp=self._mtp_state
                 )
             else:
                 attend = self.attend_length(base + start + chunk.shape[1])
                 cache, logits = self._prefill_cont_jit(
-                    params, cache, jnp.asarray(chunk), jnp.int32(n), attend
+                    params, cache, jnp.asarray(chunk), jnp.int32(n), attend, mtp=self._mtp_state
                 )
             start += n
         self.prefill_counts["rows"] += 1
@@ -679,7 +801,11 @@ class Engine(EngineAPI):
                 self.prefill_counts["calls"] += 1
                 self.prefill_counts["rows"] += len(chunk)
                 cache_B, logits_BxV = self._prefill_fresh_jit(
-                    params, jnp.asarray(tokens_BxT), jnp.asarray(true_len_B), self.attend_length(width)
+                    params,
+                    jnp.asarray(tokens_BxT),
+                    jnp.asarray(true_len_B),
+                    self.attend_length(width),
+                    mtp=self._mtp_state,
                 )
                 for j, p in enumerate(chunk):
                     rows[p] = (
@@ -747,6 +873,10 @@ class Engine(EngineAPI):
     def _insert_impl(self, prefix: Prefix, state: DecodeState, slot):
         self.trace_counts["insert"] += 1
         cache = self._set_row(state.cache, prefix.cache, slot)
+        if self._draft_k:  # the last pending draft input's next token is the one the slot feeds next
+            dr = cache.draft
+            last = jnp.maximum(dr["n"][slot] - 1, 0)
+            cache = cache.replace(draft=dict(dr, ids=dr["ids"].at[slot, last].set(prefix.token[0])))
         lengths = jax.tree.leaves(prefix.cache.lengths)[0] if hasattr(prefix.cache, "lengths") else None
         token = prefix.token[0]
         stop = jnp.any(prefix.stop_ids[0] == token)
@@ -873,24 +1003,26 @@ class Engine(EngineAPI):
         """One decode step over every slot (JetStream's call); ``generate_block`` runs several."""
         if sampler is not None:
             raise ConfigError("Engine.generate: custom samplers are not supported")
+        if self._draft_k:
+            raise ConfigError("Engine.generate: a speculative engine decodes in blocks (generate_block)")
         return self._generate_jit(params, decode_state)
 
-    def _generate_block_impl(self, params, state: DecodeState, steps, attend: int):
+    def _generate_block_impl(self, params, state: DecodeState, steps, attend: int, mtp=None, speculate=True):
         """Up to ``steps`` (traced, at most ``decode_steps``: one compile per ``attend``) decode steps;
         the loop ends early once no slot is decoding."""
         self.trace_counts[f"generate_block_{attend}"] += 1
         model, periods = self._merge(params)
         full = state.cache
-        K, S = self.decode_steps, self._slots
+        K, S, R = self.decode_steps, self._slots, self.tokens_per_step
         bufs = (
-            jnp.zeros((K, S), jnp.int32),
-            jnp.zeros((K, S), bool),
-            jnp.zeros((K, S), jnp.float32),
-            jnp.zeros((K, S), jnp.int32),
+            jnp.zeros((K, R, S), jnp.int32),
+            jnp.zeros((K, R, S), bool),
+            jnp.zeros((K, R, S), jnp.float32),
+            jnp.zeros((K, R, S), jnp.int32),
         )
         if self.record_routing:
             cfg = model.config
-            bufs += (jnp.full((K, S, cfg.num_hidden_layers, cfg.num_experts_per_tok), -1, jnp.int32),)
+            bufs += (jnp.full((K, R, S, cfg.num_hidden_layers, cfg.num_experts_per_tok), -1, jnp.int32),)
 
         def cond(carry):
             j, st, _ = carry
@@ -898,20 +1030,132 @@ class Engine(EngineAPI):
 
         def body(carry):
             j, st, bufs = carry
-            st, outs = self._decode_step(model, periods, st)
+            if self._draft_k:
+                st, outs = self._speculative_step(model, periods, mtp, st, speculate)
+            else:
+                st, outs = self._decode_step(model, periods, st)
+                outs = tuple(o[None] for o in outs)
             bufs = tuple(jax.lax.dynamic_update_index_in_dim(b, o, j, axis=0) for b, o in zip(bufs, outs))
             return j + 1, st, bufs
 
         init = (jnp.int32(0), state.replace(cache=self._narrow(full, attend)), bufs)
         _, small, bufs = jax.lax.while_loop(cond, body, init)
         new_state = small.replace(cache=self._widen(small.cache, full))
-        return new_state, DecodeBlock(*bufs)
+        # [steps, tokens per step, ...] -> one row per token a step may emit
+        return new_state, DecodeBlock(*(b.reshape(K * R, *b.shape[2:]) for b in bufs))
+
+    def _speculative_step(self, model, periods, mtp, st: DecodeState, speculate=True):
+        """One speculative decode step over every slot: draft ``k`` tokens, verify them with the model
+        in one pass over ``k + 1`` tokens, keep the longest agreeing run plus the model's next token
+        (cut at a stop token, ``max_tokens`` or a full cache). Outputs ``[k + 1, S]`` each.
+        ``speculate`` False: no draft is kept (one token per step)."""
+        k, S = self._draft_k, self._slots
+        k1 = k + 1
+        cache, active = st.cache, st.active
+        dr = cache.draft
+        L = cache.lengths
+        embed = model.embed_tokens[...]
+        mtp_model = nnx.merge(self._mtp_graphdef, mtp)
+        # 1. The draft reads its pending inputs (positions L - n .. L - 1), then drafts ahead.
+        n = jnp.where(active, dr["n"], 0)
+        j1 = jnp.arange(k1)
+        seg = (j1[None] < n[:, None]).astype(jnp.int32)
+        m_SxK1xD, kv = mtp_model(
+            embed, dr["hidden"], dr["ids"], (L - n)[:, None] + j1[None], seg, self._mtp_kv(cache), L - n
+        )
+        h_SxD = jnp.take_along_axis(m_SxK1xD, jnp.maximum(n - 1, 0)[:, None, None], axis=1)[:, 0]
+        drafts = []
+        for i in range(k):
+            keys_S = sampling.step_keys(st.key, st.generated + i)  # the key of the token it guesses
+            d_S, _ = sampling.sample(self._logits(model, h_SxD), keys_S, st.temperature, st.top_k, st.top_p)
+            drafts.append(d_S)
+            if i + 1 < k:  # provisional positions: the next step's pending inputs overwrite them
+                pos = (L + i)[:, None]
+                m, kv = mtp_model(
+                    embed, h_SxD[:, None], d_S[:, None], pos, active[:, None].astype(jnp.int32), kv, L + i
+                )
+                h_SxD = m[:, 0]
+        drafts_SxK = jnp.stack(drafts, axis=1)
+        # 2. The model over [fed token, drafts]: every DeltaNet state kept, to keep the accepted one.
+        inputs_SxK1 = jnp.concatenate([st.tokens[:, None], drafts_SxK], axis=1)
+        seg_SxK1 = jnp.broadcast_to(active[:, None], (S, k1)).astype(jnp.int32)
+        hidden_SxK1xD, vc = self._hidden(
+            model,
+            periods,
+            inputs_SxK1,
+            segment_ids=seg_SxK1,
+            cache=self._with_mtp_kv(cache, kv),
+            keep_states=True,
+        )
+        logits = self._logits(model, hidden_SxK1xD.reshape(S * k1, -1))
+        gen_SxK1 = st.generated[:, None] + j1[None]
+        keys = sampling.step_keys(jnp.repeat(st.key, k1, axis=0), gen_SxK1.reshape(-1))
+
+        def per_token(a):
+            return jnp.repeat(a, k1, axis=0)
+
+        y, lp = sampling.sample(
+            logits, keys, per_token(st.temperature), per_token(st.top_k), per_token(st.top_p)
+        )
+        y_SxK1, lp_SxK1 = y.reshape(S, k1), lp.reshape(S, k1)
+        # 3. How many tokens each slot emits.
+        agree = jnp.cumprod((drafts_SxK == y_SxK1[:, :k]).astype(jnp.int32), axis=1).sum(axis=1)
+        agree = jnp.where(speculate, agree, 0)
+        stop_SxK1 = jnp.any(st.stop_ids[:, None, :] == y_SxK1[..., None], axis=-1)
+        first_stop = jnp.where(jnp.any(stop_SxK1, axis=1), jnp.argmax(stop_SxK1, axis=1), k1)
+        emit = jnp.minimum(agree + 1, first_stop + 1)
+        emit = jnp.minimum(emit, st.max_tokens - st.generated)
+        emit = jnp.minimum(emit, self._max_len - L)
+        emit = jnp.where(active, jnp.maximum(emit, 1), 0)
+        last = jnp.maximum(emit - 1, 0)
+
+        # 4. The cache holds the emitted tokens' inputs: the state after input ``emit - 1``.
+        def pick(all_BxT, old):
+            kept = jnp.take_along_axis(all_BxT, last.reshape((S, 1) + (1,) * (all_BxT.ndim - 2)), axis=1)[
+                :, 0
+            ]
+            return jnp.where(active.reshape((S,) + (1,) * (old.ndim - 1)), kept.astype(old.dtype), old)
+
+        hidden_keep = jnp.where(active[:, None, None], hidden_SxK1xD.astype(dr["hidden"].dtype), dr["hidden"])
+        new_cache = vc.replace(
+            lengths=L + emit,
+            conv=tuple(pick(a, o) for a, o in zip(vc.conv, cache.conv)),
+            recurrent=tuple(pick(a, o) for a, o in zip(vc.recurrent, cache.recurrent)),
+            draft=dict(
+                hidden=hidden_keep,
+                ids=jnp.where(active[:, None], y_SxK1, dr["ids"]),
+                n=jnp.where(active, emit, dr["n"]),
+            ),
+        )
+        valid_SxK1 = j1[None] < emit[:, None]
+        generated = st.generated + emit
+        stopped = jnp.any(stop_SxK1 & valid_SxK1, axis=1)
+        done = stopped | (generated >= st.max_tokens) | (new_cache.lengths >= self._max_len)
+        last_token = jnp.take_along_axis(y_SxK1, last[:, None], axis=1)[:, 0]
+        new_state = st.replace(
+            cache=new_cache,
+            tokens=jnp.where(active, last_token, st.tokens),
+            generated=generated,
+            active=active & ~done,
+        )
+        outs = (
+            jnp.where(valid_SxK1, y_SxK1, 0).T,
+            valid_SxK1.T,
+            jnp.where(valid_SxK1, lp_SxK1, 0.0).T,
+            (st.generated[:, None] + j1[None] + 1).T,
+        )
+        return new_state, outs
 
     def _live_length_impl(self, state: DecodeState):
         return jnp.max(jnp.where(state.active, state.cache.lengths, 0))
 
     def generate_block(
-        self, params: Any, decode_state: DecodeState, steps: int | None = None, max_length: int | None = None
+        self,
+        params: Any,
+        decode_state: DecodeState,
+        steps: int | None = None,
+        max_length: int | None = None,
+        speculate: bool = True,
     ) -> tuple[DecodeState, DecodeBlock]:
         """``steps`` (default and at most ``decode_steps``) decode steps in one call, the same tokens
         and logprobs as as many ``generate`` calls; the weights are ``params`` for the whole block.
@@ -919,6 +1163,8 @@ class Engine(EngineAPI):
 
         ``max_length``: the most tokens a decoding slot holds now (the caller's bookkeeping); read
         from the device when not given. Attention reads a power-of-two bucket of it plus ``steps``.
+        ``speculate`` False (a speculative engine): keep no draft, one token per slot and step (the
+        caller stops on stop strings after each token and keeps the cache).
         """
         steps = self.decode_steps if steps is None else steps
         if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= self.decode_steps:
@@ -927,5 +1173,12 @@ class Engine(EngineAPI):
             )
         if max_length is None:
             max_length = int(jax.device_get(self._live_length_jit(decode_state)))
-        attend = self.attend_length(int(max_length) + steps)
-        return self._block_jit(params, decode_state, jnp.int32(steps), attend)
+        attend = self.attend_length(int(max_length) + steps * self.tokens_per_step)
+        return self._block_jit(
+            params,
+            decode_state,
+            jnp.int32(steps),
+            attend,
+            mtp=self._mtp_state,
+            speculate=jnp.bool_(speculate),
+        )

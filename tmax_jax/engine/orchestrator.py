@@ -524,20 +524,32 @@ class Orchestrator:
             if all(s is None for s in self._slots):
                 continue
             steps = self._block_steps()
+            live_now = [s for s in self._slots if s is not None]
             longest = max(len(s.prompt) + len(s.handle.tokens) - 1 for s in self._slots if s is not None)
             params, version = eng.current_params()
-            self._decode_state, block = eng.generate_block(params, self._decode_state, steps, longest)
+            # A session request with stop strings keeps the cache of exactly the tokens up to its
+            # stop, so its steps emit one token each (speculative engines keep no draft then).
+            exact = any(s.handle.request.stop and s.handle.request.session_id is not None for s in live_now)
+            extra = {"speculate": False} if exact and getattr(eng, "tokens_per_step", 1) > 1 else {}
+            self._decode_state, block = eng.generate_block(
+                params, self._decode_state, steps, longest, **extra
+            )
             tokens, valid, logprobs, experts = jax.device_get(
                 (block.tokens, block.valid, block.log_prob, block.experts)
             )
             self.steps += steps
-            for j in range(steps):
+            per_step = getattr(
+                eng, "tokens_per_step", 1
+            )  # a speculative step emits 1 to per_step tokens a slot
+            for j in range(steps * per_step):
                 if all(s is None for s in self._slots):
                     break
                 for slot, live in enumerate(self._slots):
                     if live is None:
                         continue
                     if not valid[j, slot]:
+                        if j % per_step:  # the step emitted fewer tokens
+                            continue
                         raise TmaxError(
                             f"slot {slot} was not decoding although request {live.handle.id} holds it"
                         )

@@ -77,7 +77,14 @@ def _mix_half(layer: DecoderLayer, norm_w, mixer, x, ctx, layer_cache, stages: b
             )
     else:
         with jax.named_scope("gated_deltanet"):
-            h, new_cache = mixer(h, ctx["segment_ids"], ctx["groups"], state=layer_cache, stages=stages)
+            h, new_cache = mixer(
+                h,
+                ctx["segment_ids"],
+                ctx["groups"],
+                state=layer_cache,
+                stages=stages,
+                keep_states=ctx.get("keep_states", False),
+            )
     return split(x + h), new_cache
 
 

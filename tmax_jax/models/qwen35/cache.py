@@ -9,6 +9,7 @@ axis 0 of every array. ``stacked()`` gives the layer-stacked form (copies) for l
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,9 @@ class Qwen35Cache:
     v: tuple[jax.Array, ...]  # per attention layer: [B, num_kv_heads, max_len, head_dim] (cache dtype)
     conv: tuple[jax.Array, ...]  # per DeltaNet layer: [B, K, conv_dim] (cache dtype), its last K inputs
     recurrent: tuple[jax.Array, ...]  # per DeltaNet layer: [B, Hv, dk, dv] float32
+    # Per-row state a caller carries with the cache (batch axis 0 in every leaf); the model keeps it
+    # as it is. The engine's speculative decoding holds the draft model's pending inputs here.
+    draft: Any = None
 
     @classmethod
     def create(cls, cfg: Qwen35Config, batch_size: int, max_len: int, dtype=jnp.bfloat16) -> Qwen35Cache:
@@ -73,7 +77,7 @@ class Qwen35Cache:
         def clear(arrays):
             return tuple(x * keep.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype) for x in arrays)
 
-        return Qwen35Cache(
+        return self.replace(
             lengths=jnp.where(keep, self.lengths, 0),
             k=clear(self.k),
             v=clear(self.v),

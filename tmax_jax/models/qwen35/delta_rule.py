@@ -562,8 +562,12 @@ def recurrent_gated_delta_rule(
     g_BxTxH: jax.Array,
     beta_BxTxH: jax.Array,
     initial_state_BxHxKxV: jax.Array | None = None,
+    *,
+    all_states: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Token-by-token form (decode); same contract as the chunked one without packing."""
+    """Token-by-token form (decode); same contract as the chunked one without packing.
+    ``all_states``: the state after every token, float32 ``[B, T, H, K, V]``, instead of the last
+    one (speculative decoding keeps the state after the last accepted token)."""
     B, T, H, K = k_BxTxHxK.shape
     V = v_BxTxHxV.shape[-1]
     if initial_state_BxHxKxV is None:
@@ -586,8 +590,15 @@ def recurrent_gated_delta_rule(
     xs = tuple(
         jnp.moveaxis(x.astype(f32), 1, 0) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH, beta_BxTxH)
     )
-    if T == 1:  # decode: no scan machinery for a single step
+    if T == 1 and not all_states:  # decode: no scan machinery for a single step
         s_final, o_t = step(s0, tuple(x[0] for x in xs))
         return o_t[:, None], s_final
+    if all_states:  # a few tokens (a speculative verify step): unrolled
+        s, outs, states = s0, [], []
+        for t in range(T):
+            s, o_t = step(s, tuple(x[t] for x in xs))
+            outs.append(o_t)
+            states.append(s)
+        return jnp.stack(outs, axis=1), jnp.stack(states, axis=1)
     s_final, o = jax.lax.scan(step, s0, xs)
     return jnp.moveaxis(o, 0, 1), s_final

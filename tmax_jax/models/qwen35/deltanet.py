@@ -142,6 +142,7 @@ class GatedDeltaNet(nnx.Module):
         *,
         state: tuple[jax.Array, jax.Array] | None = None,
         stages: bool = False,
+        keep_states: bool = False,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """``state`` = (conv ``[B, K, conv_dim]``, recurrent ``[B, Hv, dk, dv]`` float32) or None.
 
@@ -149,10 +150,13 @@ class GatedDeltaNet(nnx.Module):
         delta rule, the gated norm and output projection run in chunks of ``token_chunk`` tokens with
         their own backward (remat.tokenwise_chunked), and the conv and head norms are a checkpoint
         recomputed in its own backward pass, so the backward holds one stage's internals at a time
-        beside the delta rule's inputs and outputs."""
+        beside the delta rule's inputs and outputs.
+
+        ``keep_states`` (with ``state``; every token valid): the new state is the one after each
+        token, conv ``[B, T, K, conv_dim]`` and recurrent ``[B, T, Hv, dk, dv]``."""
         w = self._weights()
         if state is not None:
-            return self._with_state(w, x_BxTxD, segment_ids_BxT, state)
+            return self._with_state(w, x_BxTxD, segment_ids_BxT, state, keep_states)
         B, T, _ = x_BxTxD.shape
         consts = (segment_ids_BxT, groups_BxT if groups_BxT is not None else jnp.zeros((B, T), jnp.int32))
         x_BxTxD = x_BxTxD * (segment_ids_BxT > 0)[..., None].astype(self.dtype)
@@ -242,7 +246,7 @@ class GatedDeltaNet(nnx.Module):
         normed_BxTxHxV = gated_rms_norm(o_BxTxHxV.astype(dt), z_BxTxHxV, w["norm"], self.eps)
         return jnp.einsum("btc,cd->btd", normed_BxTxHxV.reshape(B, T, -1), w["out"].astype(dt))
 
-    def _with_state(self, w, x_BxTxD, segment_ids_BxT, state):
+    def _with_state(self, w, x_BxTxD, segment_ids_BxT, state, keep_states=False):
         """Prefill into a cache, or decode: the conv continues from the cached inputs, the delta rule
         from the cached state."""
         dt = self.dtype
@@ -261,6 +265,11 @@ class GatedDeltaNet(nnx.Module):
         take = jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, K, axis=0))
         new_conv = take(full_BxLxC, n_valid_B).astype(conv_state.dtype)
         q, k, v, g, beta = self._heads(w, conv_BxTxC, b_BxTxH, a_BxTxH, valid_BxT)
+        if keep_states:
+            o_BxTxHxV, s_all = recurrent_gated_delta_rule(q, k, v, g, beta, rec_state, all_states=True)
+            conv_all = jnp.stack([full_BxLxC[:, t + 1 : t + 1 + K] for t in range(T)], axis=1)
+            out = self._post(w, (o_BxTxHxV, z_BxTxHxV))
+            return out, (conv_all.astype(conv_state.dtype), s_all)
         if T == 1:
             o_BxTxHxV, s_final = recurrent_gated_delta_rule(q, k, v, g, beta, rec_state)
         else:

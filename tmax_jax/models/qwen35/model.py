@@ -169,6 +169,7 @@ class Qwen35ForCausalLM(nnx.Module):
         routing: jax.Array | None = None,
         return_routing: bool = False,
         periods: tuple | None = None,
+        keep_states: bool = False,
     ):
         """Final-norm hidden states ``[B, T, D]``, then, each only when asked for: the new cache
         (given one), a ``RouterStats``, the expert ids used (a tuple when more than one).
@@ -185,6 +186,11 @@ class Qwen35ForCausalLM(nnx.Module):
         is >= 0 (-1: route as usual); the gate weights are still the router's probabilities at those
         ids. ``return_routing`` returns the ids used, int32 ``[layers, B, T, K]`` (what the engine
         records for replay).
+
+        ``keep_states`` (with a cache and ``periods``; every token valid): each Gated DeltaNet layer's
+        new cache entries hold its state after every token (``conv [B, T, K, C]``, ``recurrent
+        [B, T, H, dk, dv]``), for a caller that keeps only a prefix of the tokens (speculative
+        decoding's verify step picks the state after the last accepted one).
         """
         cfg = self.config
         if router_stats and (cache is not None or not cfg.is_moe):
@@ -233,7 +239,11 @@ class Qwen35ForCausalLM(nnx.Module):
         if cache is None:
             x_BxTxD = shard_tokens(x_BxTxD)  # the scan's carry (and the period inputs it saves) split by T
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, cfg.yarn)
+        if keep_states and (cache is None or periods is None):
+            raise ValueError("keep_states needs a cache and per-period weights (periods)")
         ctx = dict(cos=cos, sin=sin, segment_ids=segment_ids, groups=groups, lengths=lengths)
+        if keep_states:
+            ctx["keep_states"] = True
         collect = (("router_stats",) if router_stats else ()) + (("experts",) if return_routing else ())
 
         graphdef, block_state = nnx.split(self.blocks)
@@ -350,7 +360,7 @@ class Qwen35ForCausalLM(nnx.Module):
     def _next_cache(cache: Qwen35Cache, k, v, conv, rec, segment_ids) -> Qwen35Cache:
         """``k``, ``v``, ``conv``, ``rec``: the new per-layer arrays."""
         n_new = (segment_ids > 0).sum(-1).astype(cache.lengths.dtype)
-        return Qwen35Cache(
+        return cache.replace(
             lengths=cache.lengths + n_new, k=tuple(k), v=tuple(v), conv=tuple(conv), recurrent=tuple(rec)
         )
 

@@ -1,0 +1,183 @@
+"""Speculative decoding with Qwen 3.5's multi-token-prediction module: the module against one
+composed from transformers' own layers, and the speculative engine against the plain one and the
+trainer's logprobs (the emitted tokens must be the model's own, whatever the draft proposes)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from helpers_hf import add_mtp_to_checkpoint, make_tiny_hf_checkpoint
+from test_engine_blocks import trainer_logprobs
+
+from tmax_jax.checkpoints import load_hf, load_mtp
+from tmax_jax.engine import Engine, Orchestrator, Request, SamplingParams
+from tmax_jax.errors import CheckpointError, ConfigError
+
+KW = dict(
+    max_concurrent_decodes=4,
+    max_cache_length=128,
+    max_prefill_length=16,
+    decode_steps=4,
+    min_attend_bucket=32,
+)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("spec"), seed=3)
+    torch_mtp = add_mtp_to_checkpoint(path, seed=4)
+    return path, torch_mtp
+
+
+def _set(param, value):
+    param.set_value(jnp.asarray(value, param[...].dtype))
+
+
+def near_oracle(path, mix: float):
+    """(model, mtp) where the draft nearly knows the model: the model's mixers and MLPs write
+    ``mix`` times their outputs (0: each logit row is a function of the fed token alone), and the MTP
+    module passes the next token's embedding to the model's final norm, so it predicts what the
+    model will predict one position on. ``mix`` > 0 makes it right only part of the time, while the
+    model's states decide the rest."""
+    model, mtp = load_hf(path), load_mtp(path)
+    for layer in model.blocks.layers:
+        mixer = layer.self_attn.o_proj if hasattr(layer, "self_attn") else layer.linear_attn.out_proj
+        _set(mixer, mix * np.asarray(mixer[...]))
+        _set(layer.mlp.down_proj, mix * np.asarray(layer.mlp.down_proj[...]))
+    D = model.config.hidden_size
+    _set(mtp.fc, np.concatenate([np.eye(D), np.zeros((D, D))]))
+    _set(mtp.pre_fc_norm_embedding, np.zeros(D))
+    _set(mtp.norm, np.asarray(model.norm[...]))
+    _set(mtp.layers.self_attn.o_proj, np.zeros(mtp.layers.self_attn.o_proj[...].shape))
+    _set(mtp.layers.mlp.down_proj, np.zeros(mtp.layers.mlp.down_proj[...].shape))
+    return model, mtp
+
+
+def test_mtp_module_matches_transformers_layers(ckpt):
+    path, torch_mtp = ckpt
+    model, mtp = load_hf(path), load_mtp(path)
+    assert mtp.num_layers == 1
+    rng = np.random.default_rng(0)
+    B, T, D = 2, 9, model.config.hidden_size
+    hidden = rng.standard_normal((B, T, D)).astype(np.float32)
+    ids = rng.integers(0, model.config.vocab_size, (B, T))
+    embed = np.asarray(model.embed_tokens[...])
+    with torch.no_grad():
+        ref = torch_mtp(torch.tensor(embed), torch.tensor(hidden), torch.tensor(ids)).numpy()
+    pos = np.broadcast_to(np.arange(T), (B, T))
+    out, _ = mtp(embed, hidden, ids, pos, np.ones((B, T), np.int32))
+    np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5, rtol=1e-5)
+    # With a KV cache, in two calls (the second row's first call has a pad at its end).
+    shape = (B, model.config.num_key_value_heads, 32, model.config.head_dim)
+    kv = ((jnp.zeros(shape), jnp.zeros(shape)),)
+    seg = np.ones((B, 5), np.int32)
+    seg[1, 4] = 0
+    first, kv = mtp(embed, hidden[:, :5], ids[:, :5], pos[:, :5], seg, kv, jnp.zeros((B,), jnp.int32))
+    n = seg.sum(1)
+    rest = [hidden[b, n[b] :] for b in range(B)]
+    width = max(len(r) for r in rest)
+    h2 = np.zeros((B, width, D), np.float32)
+    i2 = np.zeros((B, width), np.int64)
+    s2 = np.zeros((B, width), np.int32)
+    for b in range(B):
+        h2[b, : len(rest[b])], i2[b, : len(rest[b])], s2[b, : len(rest[b])] = rest[b], ids[b, n[b] :], 1
+    second, _ = mtp(embed, h2, i2, n[:, None] + np.arange(width)[None], s2, kv, jnp.asarray(n))
+    np.testing.assert_allclose(np.asarray(first)[0], ref[0, :5], atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(first)[1, :4], ref[1, :4], atol=2e-5, rtol=1e-5)
+    for b in range(B):
+        np.testing.assert_allclose(np.asarray(second)[b, : T - n[b]], ref[b, n[b] :], atol=2e-5, rtol=1e-5)
+
+
+def test_load_mtp_needs_every_tensor(ckpt, tmp_path):
+    plain = make_tiny_hf_checkpoint(tmp_path, seed=1)
+    assert load_mtp(plain) is None
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(ckpt[0] / "mtp.safetensors"))
+    del tensors["mtp.layers.0.self_attn.k_norm.weight"]
+    save_file(tensors, str(plain / "mtp.safetensors"))
+    with pytest.raises(CheckpointError, match="k_norm"):
+        load_mtp(plain)
+
+
+def _run(engine, prompts, temperature, max_tokens=20, stop=None):
+    with Orchestrator(engine) as orch:
+        reqs = [
+            Request(
+                prompt=p,
+                max_tokens=max_tokens,
+                sampling=SamplingParams(temperature=temperature, seed=10 + i),
+                stop_token_ids=stop,
+            )
+            for i, p in enumerate(prompts)
+        ]
+        return orch.generate(reqs), orch.steps
+
+
+PROMPTS = [list(np.random.default_rng(1).integers(0, 256, n)) for n in (5, 9, 20, 3, 12)]
+
+
+@pytest.mark.parametrize("temperature,k,mix", [(0.0, 2, 0.3), (1.0, 1, 0.3), (1.0, 3, 0.0), (0.0, 3, 1.0)])
+def test_speculative_engine_emits_the_models_tokens(ckpt, temperature, k, mix):
+    """Greedy and sampled, with drafts that are right all, part or (random module, greedy) almost none
+    of the time: the same tokens as the plain engine, logprobs within float rounding of it and of
+    the trainer's teacher-forced ones; with right drafts, fewer model steps."""
+    model, mtp = near_oracle(ckpt[0], mix) if mix < 1 else (load_hf(ckpt[0]), load_mtp(ckpt[0]))
+    prompts = [[int(t) for t in p] for p in PROMPTS]
+    plain, plain_steps = _run(Engine(model, **KW), prompts, temperature)
+    spec, spec_steps = _run(Engine(model, mtp=mtp, speculative_tokens=k, **KW), prompts, temperature)
+    for a, b, p in zip(plain, spec, prompts):
+        assert b.tokens == a.tokens and b.finish_reason == a.finish_reason
+        np.testing.assert_allclose(b.logprobs, a.logprobs, atol=2e-5)
+        np.testing.assert_allclose(b.logprobs, trainer_logprobs(model, p, b.tokens, temperature), atol=3e-5)
+    if mix < 1:
+        assert spec_steps < plain_steps * (0.75 if mix == 0 else 0.95)
+
+
+def test_speculative_stops_where_the_plain_engine_stops(ckpt):
+    model, mtp = near_oracle(ckpt[0], 0.0)
+    prompts = [[int(t) for t in p] for p in PROMPTS[:3]]
+    spec = Engine(model, mtp=mtp, speculative_tokens=3, **KW)
+    plain = Engine(model, **KW)
+    # max_tokens inside a step's accepted run
+    a, _ = _run(plain, prompts, 0.0, max_tokens=6)
+    b, _ = _run(spec, prompts, 0.0, max_tokens=6)
+    assert [c.tokens for c in b] == [c.tokens for c in a] and all(len(c.tokens) == 6 for c in b)
+    # a stop token inside an accepted run: the first row's fifth token
+    stop = [a[0].tokens[4]]
+    a, _ = _run(plain, prompts, 0.0, stop=stop)
+    b, _ = _run(spec, prompts, 0.0, stop=stop)
+    assert [c.tokens for c in b] == [c.tokens for c in a]
+    assert b[0].finish_reason == "stop" and b[0].tokens[-1] == stop[0]
+
+
+def test_speculative_session_turns_continue_an_exact_cache(ckpt):
+    """A session's next turn prefills on the cache its speculative turn left: the same tokens and
+    logprobs as a fresh prefill of the whole conversation."""
+    model, mtp = near_oracle(ckpt[0], 0.3)
+    eng = Engine(model, mtp=mtp, speculative_tokens=2, **KW)
+    sp = SamplingParams(temperature=1.0, seed=5)
+    prompt = [int(t) for t in PROMPTS[2]]
+    with Orchestrator(eng) as orch:
+        a = orch.submit(Request(prompt=prompt, max_tokens=9, sampling=sp, session_id="s")).result()
+        turn2 = prompt + a.tokens + [7, 8, 9]
+        b = orch.submit(Request(prompt=turn2, max_tokens=8, sampling=sp, session_id="s")).result()
+        fresh = orch.submit(Request(prompt=turn2, max_tokens=8, sampling=sp)).result()
+    assert b.cached_tokens == len(prompt) + len(a.tokens) - 1
+    assert b.tokens == fresh.tokens
+    np.testing.assert_allclose(b.logprobs, trainer_logprobs(model, turn2, b.tokens, 1.0), atol=3e-5)
+
+
+def test_speculative_settings_are_checked(ckpt):
+    model, mtp = load_hf(ckpt[0]), load_mtp(ckpt[0])
+    with pytest.raises(ConfigError, match="mtp=load_mtp"):
+        Engine(model, speculative_tokens=2)
+    with pytest.raises(ConfigError, match="speculative_tokens"):
+        Engine(model, mtp=mtp, speculative_tokens=-1)
+    with pytest.raises(ConfigError, match="unroll_periods"):
+        Engine(model, mtp=mtp, speculative_tokens=1, unroll_periods=False)
+    eng = Engine(model, mtp=mtp, speculative_tokens=1, **KW)
+    with pytest.raises(ConfigError, match="generate_block"):
+        eng.generate(eng.params, eng.init_decode_state())
+    assert nnx.graphdef(mtp) is not None
