@@ -166,6 +166,65 @@ def bench_engine(model, prompts: np.ndarray, new: int, cache_dtype) -> dict:
     )
 
 
+def right_draft(model):
+    """(model, mtp) where the draft knows the model: the model's mixers and MLPs write nothing (each
+    logit row is a function of the fed token), and the MTP module passes the next token's embedding
+    to the model's final norm. The mechanics' best case: how much a step of k drafts can save."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from tmax_jax.models.qwen35.mtp import MultiTokenPredictor
+
+    model = nnx.clone(model)
+    for layer in model.blocks.layers:
+        mixer = layer.self_attn.o_proj if hasattr(layer, "self_attn") else layer.linear_attn.out_proj
+        for w in (mixer, layer.mlp.down_proj):
+            w.set_value(jnp.zeros_like(w[...]))
+    D = model.config.hidden_size
+    mtp = MultiTokenPredictor(
+        model.config, 1, dtype=model.dtype, param_dtype=model.param_dtype, rngs=nnx.Rngs(1)
+    )
+    mtp.fc.set_value(jnp.concatenate([jnp.eye(D), jnp.zeros((D, D))]).astype(mtp.fc[...].dtype))
+    mtp.norm.set_value(model.norm[...])
+    for w in (mtp.layers.self_attn.o_proj, mtp.layers.mlp.down_proj):
+        w.set_value(jnp.zeros_like(w[...]))
+    return model, mtp
+
+
+def bench_speculative(
+    model, mtp, prompts: np.ndarray, new: int, k: int, temperature: float, cache_dtype
+) -> dict:
+    """The plain engine and one drafting ``k`` tokens per step with ``mtp``, on the same requests
+    through the orchestrator (best of 2 warm runs each): tok/s, decode steps, equal tokens."""
+    from tmax_jax.engine import Engine, Orchestrator, Request, SamplingParams
+
+    c, plen = prompts.shape
+    kw = dict(max_concurrent_decodes=c, max_cache_length=plen + new + 8 * (k + 1), max_prefill_length=plen,
+              cache_dtype=cache_dtype, eos_token_ids=())  # fmt: skip
+    reqs = [
+        Request(prompt=p.tolist(), max_tokens=new, sampling=SamplingParams(temperature=temperature, seed=i))
+        for i, p in enumerate(prompts)
+    ]
+    out = {}
+    for name, engine in (
+        ("plain", Engine(model, **kw)),
+        ("spec", Engine(model, mtp=mtp, speculative_tokens=k, **kw)),
+    ):
+        warm_prefill(engine, plen, engine.vocab_size)
+        with Orchestrator(engine) as orch:
+            orch.generate(reqs)  # compile
+            best = float("inf")
+            for _ in range(2):
+                steps0 = orch.steps
+                t0 = time.perf_counter()
+                res = orch.generate(reqs)
+                best = min(best, time.perf_counter() - t0)
+                steps = orch.steps - steps0
+        out[name] = dict(tok_s=c * new / best, steps=steps, tokens=[r.tokens for r in res])
+    out["same"] = out["plain"]["tokens"] == out["spec"]["tokens"]
+    return out
+
+
 def bench_group(model, hf, prompts: np.ndarray, samples: int, new: int, slots: int, cache_dtype) -> dict:
     """``samples`` sampled completions (T=1) of each prompt: engine tok/s, prompt rows it prefilled,
     and transformers' sampled generate (``num_return_sequences``) on the same prompts."""
@@ -278,6 +337,11 @@ def main() -> None:
         help="the generate() case again on this Qwen35Config preset's random weights ('' = skip)",
     )
     ap.add_argument("--long-keys", type=int, default=4096, help="long-cache decode case: keys (0 = skip)")
+    ap.add_argument(
+        "--speculative", type=int, nargs="*", default=[1, 3],
+        help="speculative case (8 sequences): drafted tokens per step, each run with a random MTP module "
+        "(greedy and sampled) and with a draft that knows the model (empty = skip)",
+    )  # fmt: skip
     args = ap.parse_args()
 
     import jax
@@ -351,6 +415,25 @@ def main() -> None:
     if args.long_keys > 0:
         ms = bench_long(model, 8, args.long_keys, dtype)
         print(f"long cache: 8 slots attending over {args.long_keys} keys: {ms:.2f} ms per decode step")
+    if args.speculative:
+        from tmax_jax.models.qwen35.mtp import MultiTokenPredictor
+
+        prompts = rng.integers(0, vocab, size=(8, args.prompt_len)).astype(np.int32)
+        random_mtp = MultiTokenPredictor(model.config, 1, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(1))
+        known = right_draft(model)
+        print(
+            "speculative decoding, 8 sequences (engine with k drafted tokens per step against the plain one):"
+        )
+        for k in args.speculative:
+            for label, (m, d), t in (
+                ("random MTP, greedy", (model, random_mtp), 0.0),
+                ("random MTP, sampled T=1", (model, random_mtp), 1.0),
+                ("right draft, sampled T=1", known, 1.0),
+            ):
+                r = bench_speculative(m, d, prompts, args.new, k, t, dtype)
+                p, q = r["plain"], r["spec"]
+                print(f"  k={k} {label:<25} {q['tok_s']:>6.0f} vs {p['tok_s']:>6.0f} tok/s ({q['tok_s'] / p['tok_s']:.2f}x), "
+                      f"decode steps {q['steps']} vs {p['steps']}, same tokens: {r['same']}")  # fmt: skip
     if args.group_prompts > 0:
         slots = max(args.concurrency)
         prompts = rng.integers(0, vocab, size=(args.group_prompts, args.prompt_len)).astype(np.int32)
