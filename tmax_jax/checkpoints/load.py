@@ -108,14 +108,9 @@ def load_hf(
     params = all_params(cfg, prefix)
 
     expected = {n for p in params for n in p.hf_names}
-    available = {n for n in files if not n.startswith(IGNORED_PREFIXES)}
-    # Experts stored one tensor per expert (the older layout) stand in for the fused 3-D tensors.
-    assembled: dict[str, list[tuple[str, ...]]] = {}
-    for name in expected - available:
-        parts = per_expert_names(name, cfg.num_experts) if cfg.is_moe else None
-        if parts and all(n in available for group in parts for n in group):
-            assembled[name] = parts
-    available = (available - {n for parts in assembled.values() for g in parts for n in g}) | set(assembled)
+    available, assembled = _with_assembled(
+        cfg, expected, {n for n in files if not n.startswith(IGNORED_PREFIXES)}
+    )
     missing = sorted(expected - available)
     if missing:
         hint = (
@@ -140,16 +135,7 @@ def load_hf(
     )
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
-    opened: dict[Path, SafetensorsFile] = {}
-
-    def read(name: str) -> np.ndarray:
-        if name in assembled:  # [E, rows, in]: each expert's tensors concatenated along rows
-            return np.stack([np.concatenate([read(n) for n in group], axis=0) for group in assembled[name]])
-        f = files[name]
-        if f not in opened:
-            opened[f] = SafetensorsFile(f)
-        return opened[f].get(name)
-
+    read = _tensor_reader(files, assembled)
     for p in params:
         var = flat[p.path]
         value = _read_param(p, var.shape, read, cfg, pdtype)
@@ -179,13 +165,7 @@ def load_mtp(path: str | Path, dtype="float32", *, param_dtype=None) -> MultiTok
         raise CheckpointError(f"{path}: MTP layers must be numbered 0..n-1, got {sorted(ids)}")
     params = mtp_params(cfg, prefix, len(ids))
     expected = {n for p in params for n in p.hf_names}
-    available = {n for n in files if n.startswith(prefix)}
-    assembled: dict[str, list[tuple[str, ...]]] = {}
-    for name in expected - available:
-        parts = per_expert_names(name, cfg.num_experts) if cfg.is_moe else None
-        if parts and all(n in available for group in parts for n in group):
-            assembled[name] = parts
-    available = (available - {n for parts in assembled.values() for g in parts for n in g}) | set(assembled)
+    available, assembled = _with_assembled(cfg, expected, {n for n in files if n.startswith(prefix)})
     missing, extra = sorted(expected - available), sorted(available - expected)
     if missing or extra:
         raise CheckpointError(
@@ -200,6 +180,28 @@ def load_mtp(path: str | Path, dtype="float32", *, param_dtype=None) -> MultiTok
     )
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
+    read = _tensor_reader(files, assembled)
+    for p in params:
+        var = flat[p.path]
+        var.set_value(jax.device_put(_read_param(p, var.shape, read, cfg, pdtype)))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _with_assembled(cfg: Qwen35Config, expected: set[str], available: set[str]):
+    """(available names, {fused name: per-expert name groups}): experts stored one tensor per expert
+    (the older layout) stand in for the fused 3-D tensors ``expected`` names."""
+    assembled: dict[str, list[tuple[str, ...]]] = {}
+    for name in expected - available:
+        parts = per_expert_names(name, cfg.num_experts) if cfg.is_moe else None
+        if parts and all(n in available for group in parts for n in group):
+            assembled[name] = parts
+    available = (available - {n for parts in assembled.values() for g in parts for n in g}) | set(assembled)
+    return available, assembled
+
+
+def _tensor_reader(files: dict[str, Path], assembled: dict[str, list[tuple[str, ...]]]):
+    """``read(name)``: one tensor from the checkpoint's files (each file opened once), a fused expert
+    tensor assembled from its per-expert ones ([E, rows, in], each expert's concatenated along rows)."""
     opened: dict[Path, SafetensorsFile] = {}
 
     def read(name: str) -> np.ndarray:
@@ -210,10 +212,7 @@ def load_mtp(path: str | Path, dtype="float32", *, param_dtype=None) -> MultiTok
             opened[f] = SafetensorsFile(f)
         return opened[f].get(name)
 
-    for p in params:
-        var = flat[p.path]
-        var.set_value(jax.device_put(_read_param(p, var.shape, read, cfg, pdtype)))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    return read
 
 
 def _read_param(p: StackedParam, shape: tuple[int, ...], read, cfg: Qwen35Config, pdtype) -> np.ndarray:
