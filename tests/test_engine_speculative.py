@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from flax import nnx
 from helpers_hf import add_mtp_to_checkpoint, make_tiny_hf_checkpoint
 from test_engine_blocks import trainer_logprobs
 
@@ -180,4 +179,3 @@ def test_speculative_settings_are_checked(ckpt):
     eng = Engine(model, mtp=mtp, speculative_tokens=1, **KW)
     with pytest.raises(ConfigError, match="generate_block"):
         eng.generate(eng.params, eng.init_decode_state())
-    assert nnx.graphdef(mtp) is not None
