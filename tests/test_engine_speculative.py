@@ -179,3 +179,33 @@ def test_speculative_settings_are_checked(ckpt):
     eng = Engine(model, mtp=mtp, speculative_tokens=1, **KW)
     with pytest.raises(ConfigError, match="generate_block"):
         eng.generate(eng.params, eng.init_decode_state())
+
+
+def test_speculative_options_name_what_is_wrong(ckpt, tmp_path):
+    """The options that turn speculation on (train's engine.speculative_tokens, serve's and eval's
+    --speculative-tokens) share one check: a count that is not an integer >= 0, a checkpoint without
+    mtp.* tensors and MoE routing replay are errors that name the option."""
+    from tmax_jax.engine.api import speculative_settings
+    from tmax_jax.train.config import load_train_config
+    from tmax_jax.train.run import draft_settings
+
+    plain = make_tiny_hf_checkpoint(tmp_path / "plain", seed=3)
+    assert speculative_settings(plain, 0) == {}
+    with pytest.raises(ConfigError, match=r"--speculative-tokens=2 .* holds no mtp\.\* tensors"):
+        speculative_settings(plain, 2, setting="--speculative-tokens")
+    with pytest.raises(ConfigError, match="--speculative-tokens must be an integer >= 0"):
+        speculative_settings(ckpt[0], -1, setting="--speculative-tokens")
+    got = speculative_settings(ckpt[0], 2)
+    assert got["speculative_tokens"] == 2 and got["mtp"].num_layers == 1
+
+    with pytest.raises(ConfigError, match="engine.speculative_tokens must be an integer >= 0"):
+        load_train_config(None, {"engine": {"speculative_tokens": -1}})
+    cfg = load_train_config(None, {"engine": {"speculative_tokens": 3}})
+    with pytest.raises(ConfigError, match=r"engine.speculative_tokens=3 .* holds no mtp"):
+        draft_settings(cfg, plain, None)
+    assert draft_settings(cfg, ckpt[0], None)["speculative_tokens"] == 3
+    replay = load_train_config(
+        None, {"engine": {"speculative_tokens": 1}, "rl": {"train_step": {"routing_replay": True}}}
+    )
+    with pytest.raises(ConfigError, match="routing_replay"):
+        draft_settings(replay, ckpt[0], None)

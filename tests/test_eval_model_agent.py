@@ -67,6 +67,41 @@ def test_checkpoint_agent_runs_token_episodes(one_task, tiny_ckpt, tmp_path):
     assert generated and all(lp <= 0.0 for lp in generated)
 
 
+def test_checkpoint_agent_speculative_episodes_are_the_plain_ones(one_task, tiny_ckpt, tmp_path):
+    """``--speculative-tokens`` in an eval: the checkpoint's MTP module drafts, and every attempt's
+    tokens and logprobs are those of the plain engine (attempts run one at a time, so each gets the
+    same seed in both runs). A checkpoint without MTP tensors is refused by name."""
+    from helpers_hf import add_mtp_to_checkpoint
+
+    from tmax_jax.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--speculative-tokens=2 .* holds no mtp"):
+        checkpoint_agent(tiny_ckpt, speculative_tokens=2)
+    ckpt = tmp_path / "with-mtp"
+    shutil.copytree(tiny_ckpt, ckpt)
+    add_mtp_to_checkpoint(ckpt, seed=2)
+    trajs = []
+    for k in (0, 2):
+        agent = checkpoint_agent(
+            ckpt, max_turns=2, slots=2, max_context_tokens=1024, max_tokens_per_turn=12, speculative_tokens=k
+        )
+        assert agent.orchestrator.engine.tokens_per_step == k + 1
+        try:
+            s = evaluate(
+                one_task, agent, tmp_path / f"k{k}", EvalConfig(k=2, concurrency=1), log=lambda m: None
+            )
+        finally:
+            agent.close()
+        assert s["overall"]["attempts"] == 2 and s["overall"]["errors"] == 0
+        attempts = tmp_path / f"k{k}" / "tasks" / "hello-file"
+        trajs.append(
+            [json.loads((attempts / f"attempt-{i}" / "trajectory.json").read_text()) for i in (0, 1)]
+        )
+    for plain, spec in zip(*trajs):
+        assert spec["tokens"] == plain["tokens"] and spec["response_mask"] == plain["response_mask"]
+        assert spec["rollout_logprobs"] == pytest.approx(plain["rollout_logprobs"], abs=2e-5)
+
+
 @pytest.fixture(scope="module")
 def small_task_set(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("cli_tasks")

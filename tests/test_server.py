@@ -184,11 +184,21 @@ def test_malformed_requests_get_4xx_and_server_stays_up(served, route, raw, body
     assert code == 200 and len(ok["choices"][0]["token_ids"]) >= 1
 
 
-def test_serve_command_serves_a_checkpoint(ckpt):
+def test_serve_command_serves_a_checkpoint(ckpt, served, tmp_path):
+    """``tmax-jax serve`` on a copy of the checkpoint with an MTP module, drafting 2 tokens per step:
+    its greedy reply is the in-process plain engine's."""
+    import shutil
+
+    from helpers_hf import add_mtp_to_checkpoint
+
+    spec_ckpt = tmp_path / ckpt.name
+    shutil.copytree(ckpt, spec_ckpt)
+    add_mtp_to_checkpoint(spec_ckpt, seed=5)
     port = 18000 + os.getpid() % 1000
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags())
-    cmd = [sys.executable, "-m", "tmax_jax", "serve", "--checkpoint", str(ckpt), "--port", str(port),
-           "--slots", "2", "--max-cache-length", "64", "--max-prefill-length", "32"]  # fmt: skip
+    cmd = [sys.executable, "-m", "tmax_jax", "serve", "--checkpoint", str(spec_ckpt), "--port", str(port),
+           "--slots", "2", "--max-cache-length", "64", "--max-prefill-length", "32",
+           "--speculative-tokens", "2"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -203,11 +213,12 @@ def test_serve_command_serves_a_checkpoint(ckpt):
                         f"server did not start: {proc.stdout.read().decode()[-2000:]}"
                     ) from None
                 time.sleep(0.5)
-        code, out = post(
-            url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "pwd"}], "max_tokens": 4}
-        )
+        body = {"messages": [{"role": "user", "content": "pwd"}], "max_tokens": 6, "temperature": 0}
+        code, out = post(url + "/v1/chat/completions", body)
         assert code == 200 and out["model"] == ckpt.name
-        assert 1 <= len(out["choices"][0]["token_ids"]) <= 4
+        assert 1 <= len(out["choices"][0]["token_ids"]) <= 6
+        code, plain = post(served[0].url + "/v1/chat/completions", body)
+        assert code == 200 and out["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
     finally:
         proc.terminate()
         proc.wait(30)

@@ -138,22 +138,31 @@ def load_hf(
     read = _tensor_reader(files, assembled)
     for p in params:
         var = flat[p.path]
-        value = _read_param(p, var.shape, read, cfg, pdtype)
-        names = var.get_metadata().get("out_sharding")
-        if mesh is not None:
-            sharding = jax.sharding.NamedSharding(mesh, logical_to_spec(names, rules))
-            arr = jax.make_array_from_callback(value.shape, sharding, lambda idx, v=value: v[idx])
-        else:
-            arr = jax.device_put(value)
-        del value
-        var.set_value(arr)
+        var.set_value(_place(var, _read_param(p, var.shape, read, cfg, pdtype), mesh, rules))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def load_mtp(path: str | Path, dtype="float32", *, param_dtype=None) -> MultiTokenPredictor | None:
+def _place(var, value: np.ndarray, mesh, rules) -> jax.Array:
+    """``value`` on the default device, or with ``mesh`` sharded by ``var``'s logical axis names."""
+    if mesh is None:
+        return jax.device_put(value)
+    sharding = jax.sharding.NamedSharding(
+        mesh, logical_to_spec(var.get_metadata().get("out_sharding"), rules)
+    )
+    return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
+
+
+def load_mtp(
+    path: str | Path,
+    dtype="float32",
+    *,
+    param_dtype=None,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: Rules | None = None,
+) -> MultiTokenPredictor | None:
     """The checkpoint's multi-token-prediction module (``mtp.*`` tensors; the draft model of
     ``Engine(speculative_tokens=...)``), or None when it holds none. Its layer count is the number of
-    ``mtp.layers.{i}`` the checkpoint holds."""
+    ``mtp.layers.{i}`` the checkpoint holds. ``mesh`` and ``rules`` place it as ``load_hf`` does."""
     path = Path(path)
     cfg = read_hf_config(path)
     files = _weight_files(path)
@@ -183,7 +192,7 @@ def load_mtp(path: str | Path, dtype="float32", *, param_dtype=None) -> MultiTok
     read = _tensor_reader(files, assembled)
     for p in params:
         var = flat[p.path]
-        var.set_value(jax.device_put(_read_param(p, var.shape, read, cfg, pdtype)))
+        var.set_value(_place(var, _read_param(p, var.shape, read, cfg, pdtype), mesh, rules))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 

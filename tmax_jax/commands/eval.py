@@ -58,6 +58,13 @@ def register(subparsers) -> None:
     )
     p.add_argument("--temperature", type=float, default=1.0, help="model agent sampling temperature")
     p.add_argument("--max-turns", type=int, default=64, help="model agent turn limit per episode")
+    p.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=0,
+        help="--checkpoint: draft this many tokens per decode step with its MTP module (mtp.* "
+        "tensors); the sampled tokens do not change",
+    )
     p.add_argument("--max-tokens-per-turn", type=int, default=2048, help="model agent reply length limit")
     p.add_argument(
         "--max-context",
@@ -107,6 +114,7 @@ def _make_agents(args) -> dict[str, tuple]:
             slots=args.concurrency,
             max_context_tokens=args.max_context,
             max_tokens_per_turn=args.max_tokens_per_turn,
+            speculative_tokens=args.speculative_tokens,
         )
         ident = {
             "checkpoint": str(args.checkpoint.resolve()),

@@ -25,6 +25,13 @@ def register(subparsers) -> None:
     p.add_argument("--max-queued", type=int, default=256, help="waiting requests before 503s")
     p.add_argument("--default-max-tokens", type=int, default=256)
     p.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=0,
+        help="draft this many tokens per decode step with the checkpoint's MTP module (mtp.* tensors) "
+        "and verify them in one pass; the output is the same, only faster when drafts are accepted",
+    )
+    p.add_argument(
         "--model-name", default=None, help="id reported by /v1/models (default: the directory name)"
     )
     p.set_defaults(func=run)
@@ -35,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tmax_jax.checkpoints import load_hf
     from tmax_jax.engine import Engine, Orchestrator
-    from tmax_jax.engine.api import model_eos_ids
+    from tmax_jax.engine.api import model_eos_ids, speculative_settings
     from tmax_jax.engine.server import OpenAIServer
     from tmax_jax.errors import CheckpointError
     from tmax_jax.tokenizer import load_tokenizer
@@ -60,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
         cache_dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32,
         eos_token_ids=sorted(eos),
         tokenizer=tokenizer,
+        **speculative_settings(
+            ckpt, args.speculative_tokens, setting="--speculative-tokens", dtype=args.dtype
+        ),
     )
     with Orchestrator(engine, max_queued=args.max_queued) as orch:
         server = OpenAIServer(

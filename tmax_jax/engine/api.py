@@ -17,6 +17,27 @@ from tmax_jax.errors import ConfigError
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def speculative_settings(
+    checkpoint: Any, tokens: int, *, setting: str = "speculative_tokens", **load_kw
+) -> dict:
+    """``Engine`` keyword arguments for ``tokens`` drafted tokens per decode step with the
+    multi-token-prediction module of ``checkpoint`` ({} for 0). ``load_kw`` go to ``load_mtp``
+    (dtype, param_dtype, mesh, rules); ``setting`` is the option named in errors."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise ConfigError(f"{setting} must be an integer >= 0, got {tokens!r}")
+    if not tokens:
+        return {}
+    from tmax_jax.checkpoints import load_mtp
+
+    mtp = load_mtp(checkpoint, **load_kw)
+    if mtp is None:
+        raise ConfigError(
+            f"{setting}={tokens} drafts with the checkpoint's multi-token-prediction module, but "
+            f"{checkpoint} holds no mtp.* tensors (set it to 0, or use a checkpoint that has them)"
+        )
+    return {"mtp": mtp, "speculative_tokens": tokens}
+
+
 def model_eos_ids(model: Any) -> tuple[int, ...]:
     """eos token ids from the model's config (``config`` or ``cfg``), as a tuple (may be empty)."""
     for name in ("config", "cfg"):

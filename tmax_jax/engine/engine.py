@@ -292,6 +292,8 @@ class Engine(EngineAPI):
         self._max_stop = max_stop_tokens
         self._tokenizer = tokenizer
         self._mesh = mesh
+        if self._draft_k:
+            self._mtp_state = self._on_model_devices(self._mtp_state)
         if (
             isinstance(prompt_cache_entries, bool)
             or not isinstance(prompt_cache_entries, int)
@@ -367,6 +369,14 @@ class Engine(EngineAPI):
     @property
     def params(self) -> Any:
         return self._params
+
+    def _on_model_devices(self, tree: Any) -> Any:
+        """``tree`` (the MTP module's weights) where the model's are: as it is when every leaf is
+        already on the model's devices (``load_mtp(mesh=)``), else replicated over the model's mesh."""
+        devices = jax.tree.leaves(self._params)[0].sharding.device_set
+        if all(x.sharding.device_set == devices for x in jax.tree.leaves(tree)):
+            return tree
+        return jax.device_put(tree, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
 
     @property
     def version(self) -> int:

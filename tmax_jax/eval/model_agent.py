@@ -88,13 +88,17 @@ def checkpoint_agents(
     max_context_tokens: int = 4096,
     max_tokens_per_turn: int = 512,
     dtype: str = "float32",
+    speculative_tokens: int = 0,
 ) -> dict[str, EngineEpisodeAgent]:
     """One eval agent per harness for an HF checkpoint directory (weights + tokenizer with a chat
-    template), all on one engine; closing the first harness's agent stops it."""
+    template), all on one engine; closing the first harness's agent stops it.
+    ``speculative_tokens``: drafted tokens per decode step with the checkpoint's MTP module (the
+    sampled tokens do not change)."""
     import jax.numpy as jnp
 
     from tmax_jax.checkpoints import load_hf
     from tmax_jax.engine import Engine, Orchestrator
+    from tmax_jax.engine.api import speculative_settings
     from tmax_jax.tokenizer import load_tokenizer
 
     path = Path(path)
@@ -127,6 +131,7 @@ def checkpoint_agents(
         cache_dtype=jnp.bfloat16 if dtype == "bfloat16" else jnp.float32,
         eos_token_ids=[end_id],
         tokenizer=tokenizer,
+        **speculative_settings(path, speculative_tokens, setting="--speculative-tokens", dtype=dtype),
     )
     orch = Orchestrator(engine)
     return {

@@ -173,10 +173,21 @@ class CurriculumConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EngineSettings:
+    """The rollout engine. ``speculative_tokens`` > 0 drafts that many tokens per decode step with
+    the checkpoint's multi-token-prediction module (its ``mtp.*`` tensors, kept frozen while the
+    policy trains) and verifies them in one pass: the sampled tokens and logprobs stay the policy's
+    own, only the number of model passes changes (README, "Speculative decoding")."""
+
     slots: int = 32  # decode slots (episodes generating at once)
     max_cache_length: int = 4096
     max_prefill_length: int = 1024
     cache_dtype: str = "float32"
+    speculative_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        k = self.speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ConfigError(f"engine.speculative_tokens must be an integer >= 0, got {k!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -79,6 +79,8 @@ def build_run(cfg: TrainConfig, *, progress: bool = True) -> Run:
     mesh = make_mesh(cfg.mesh)
     progress = progress and is_primary()
 
+    # From the checkpoint itself: SFT's export (warm_start) carries no mtp.* tensors.
+    draft = draft_settings(cfg, init, mesh if nproc == 1 else None)
     init = warm_start(cfg, init, train_tasks, chat, mesh, progress=progress)
     model = load_hf(
         init, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, remat=cfg.rl.train_step.remat
@@ -120,6 +122,7 @@ def build_run(cfg: TrainConfig, *, progress: bool = True) -> Run:
         eos_token_ids=[chat.end_id],
         tokenizer=tokenizer,
         record_routing=train_step.routing_replay,  # the experts the train step replays
+        **draft,
     )
     learner.connect(engine)
     records = [{"task_id": str(i), "instruction": t.instruction} for i, t in enumerate(train_tasks)]
@@ -172,6 +175,25 @@ def _own_loader_state(saved: dict, run_dir: Path, pid: int, nproc: int) -> dict 
             f"has {nproc}: the prompt shards differ; resume with {len(loaders)} process(es)"
         )
     return loaders[pid]
+
+
+def draft_settings(cfg: TrainConfig, init: Path, mesh: Any) -> dict:
+    """The engine's speculative-decoding arguments for ``engine.speculative_tokens`` ({} when 0):
+    the MTP module of the policy's checkpoint, kept frozen while the policy trains. One process:
+    placed on the train mesh like the policy's weights; several: on the default device, and each
+    engine replicates it over its own copy's devices."""
+    from tmax_jax.engine.api import speculative_settings
+
+    k = cfg.engine.speculative_tokens
+    if k and cfg.rl.train_step.routing_replay:
+        raise ConfigError(
+            f"engine.speculative_tokens={k} with rl.train_step.routing_replay: a speculative engine "
+            "does not record the experts each token was routed to"
+        )
+    return speculative_settings(
+        init, k, setting="engine.speculative_tokens", dtype=cfg.model.dtype,
+        param_dtype=cfg.model.param_dtype, mesh=mesh, rules=cfg.mesh.rules,
+    )  # fmt: skip
 
 
 def warm_start(
