@@ -111,7 +111,12 @@ def _run(engine, prompts, temperature, max_tokens=20, stop=None):
             )
             for i, p in enumerate(prompts)
         ]
-        return orch.generate(reqs), orch.steps
+        outs = orch.generate(reqs)
+        slot_steps, tokens = orch.take_decode_counts()
+    # Every token after a request's first (which its prefill samples) came from a decode step.
+    assert tokens == sum(len(c.tokens) - 1 for c in outs)
+    assert slot_steps <= tokens <= slot_steps * engine.tokens_per_step
+    return outs, orch.steps
 
 
 PROMPTS = [list(np.random.default_rng(1).integers(0, 256, n)) for n in (5, 9, 20, 3, 12)]

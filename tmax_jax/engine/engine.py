@@ -560,6 +560,7 @@ class Engine(EngineAPI):
         chunk's but its last — and the chunk's last hidden state becomes the one pending input,
         whose next token is the one sampled from it (set by ``insert`` or the next chunk)."""
         B, T, D = hidden_BxTxD.shape
+        k1 = self._draft_k + 1  # pending-input rows of the draft state
         t = jnp.arange(T)
         h_BxTxD = hidden_BxTxD
         next_BxT = jnp.concatenate([tokens_BxT[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
@@ -569,7 +570,6 @@ class Engine(EngineAPI):
         else:  # the pending inputs first (n of them), then the chunk's, left-aligned in one row
             dr = cache.draft
             n_B = dr["n"]
-            k1 = dr["ids"].shape[1]
             ids = jax.vmap(lambda r, i, v: r.at[i].set(v))(
                 dr["ids"], jnp.maximum(n_B - 1, 0), tokens_BxT[:, 0]
             )
@@ -592,7 +592,6 @@ class Engine(EngineAPI):
         )  # fmt: skip
         last_B = jnp.maximum(true_len_B - 1, 0)
         last_BxD = jnp.take_along_axis(hidden_BxTxD, last_B[:, None, None], axis=1)[:, 0]
-        k1 = self._draft_k + 1
         draft = dict(
             hidden=jnp.zeros((B, k1, D), hidden_BxTxD.dtype).at[:, 0].set(last_BxD),
             ids=jnp.zeros((B, k1), jnp.int32),

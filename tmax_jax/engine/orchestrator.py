@@ -208,6 +208,10 @@ class Orchestrator:
         self._slots: list[_Live | None] = [None] * engine.max_concurrent_decodes
         self._routing_shape = getattr(engine, "routing_shape", None)
         self.steps = 0
+        # Decode work since take_decode_counts: slot-steps (a live slot in one model step) and the
+        # tokens they emitted (a speculative step emits 1 to tokens_per_step per slot).
+        self._counts_lock = threading.Lock()
+        self._slot_steps = self._decode_tokens = 0
         self._prefilling = 0
         self._error: BaseException | None = None
         self._threads = [
@@ -500,6 +504,14 @@ class Orchestrator:
         self._slots[slot] = None
         live.handle._finish(reason, stop_string)
 
+    def take_decode_counts(self) -> tuple[int, int]:
+        """(slot-steps, tokens emitted by them) since the last call: their ratio is the mean number
+        of tokens a model step gives a slot (1 without speculative decoding)."""
+        with self._counts_lock:
+            out = (self._slot_steps, self._decode_tokens)
+            self._slot_steps = self._decode_tokens = 0
+        return out
+
     def _block_steps(self) -> int:
         """Decode steps for the next block: the engine's ``decode_steps``, fewer (a power of two) when
         every live request ends sooner, 1 while a session request with stop strings decodes (a stop
@@ -541,6 +553,10 @@ class Orchestrator:
             per_step = getattr(
                 eng, "tokens_per_step", 1
             )  # a speculative step emits 1 to per_step tokens a slot
+            rows = np.asarray(valid[: steps * per_step]).reshape(steps, per_step, -1)
+            with self._counts_lock:
+                self._slot_steps += int(rows[:, 0].sum())
+                self._decode_tokens += int(rows.sum())
             for j in range(steps * per_step):
                 if all(s is None for s in self._slots):
                     break

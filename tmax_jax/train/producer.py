@@ -131,7 +131,16 @@ class Producer:
 
     def step_stats(self, index: int) -> dict:
         """Batch ``index``'s curriculum metrics and the rollout counters since the last call."""
-        return {**self._curriculum_metrics.pop(index, {}), **self.workers.stats.snapshot_and_reset()}
+        out = {**self._curriculum_metrics.pop(index, {}), **self.workers.stats.snapshot_and_reset()}
+        k = getattr(self.engine, "tokens_per_step", 1) - 1
+        if k and self.orch is not None:
+            # Speculative decoding: tokens per model step and slot (1 to k + 1), and the fraction of
+            # drafted tokens kept. The MTP module stays as loaded while the policy trains.
+            slot_steps, tokens = self.orch.take_decode_counts()
+            if slot_steps:
+                out["speculative/tokens_per_step"] = tokens / slot_steps
+                out["speculative/acceptance"] = (tokens / slot_steps - 1) / k
+        return out
 
     def close(self) -> None:
         """Stop producing, shut the workers down and join the thread (idempotent)."""
