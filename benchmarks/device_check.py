@@ -624,35 +624,66 @@ def part_engine(args):
     model = make_model(cfg, remat="none", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, plen).astype(np.int32)
     say(f"[engine {size}] bf16 weights and cache, prompt {plen} tokens, {jax.devices()[0].device_kind}")
+    if args.speculative:
+        attempt(
+            f"speculative {size}", _speculative, model, prompt, slot_counts[0], blocks, size, args.speculative
+        )
+        return
     for slots in slot_counts:
         attempt(f"engine {size} {slots}", _engine_one, model, prompt, slots, blocks, size)
 
 
-def _engine_one(model, prompt, slots, blocks, size):
+def _speculative(model, prompt, slots, blocks, size, k):
+    """Speculative decoding's cost and best case on the device: the plain engine and one drafting
+    ``k`` tokens per step, both on ``bench_engine.right_draft``'s model (mixers and MLPs write
+    nothing, so the draft is always right; the work per step is the real model's). Prints ms per
+    model step of each, tokens per step and slot, and the acceptance rate at which the speculative
+    step breaks even (its ms / the plain step's ms = 1 + acceptance * k)."""
+    from bench_engine import right_draft
+
+    oracle, mtp = right_draft(model)
+    plain_ms, _ = _engine_one(oracle, prompt, slots, blocks, size)
+    spec_ms, per_step = _engine_one(oracle, prompt, slots, blocks, size, mtp=mtp, k=k)
+    say(
+        f"[speculative {size}] {slots} slots, k={k}: verify step {spec_ms:.2f} ms = {spec_ms / plain_ms:.2f}x "
+        f"the plain step; {per_step:.2f} tokens per step with a right draft ({per_step * plain_ms / spec_ms:.2f}x "
+        f"the plain tok/s); breaks even at acceptance {(spec_ms / plain_ms - 1) / k:.2f}"
+    )
+
+
+def _engine_one(model, prompt, slots, blocks, size, mtp=None, k=0):
+    """(ms per decode step, tokens per step and slot) of ``slots`` slots on one prompt; with ``mtp``,
+    a speculative engine drafting ``k`` tokens per step."""
     from tmax_jax.engine import Engine
 
     plen = len(prompt)
     engine = Engine(
-        model, max_concurrent_decodes=slots, max_cache_length=plen + 512, max_prefill_length=plen,
-        cache_dtype=jnp.bfloat16, eos_token_ids=(),
+        model, max_concurrent_decodes=slots, max_cache_length=plen + 512 * (k + 1), max_prefill_length=plen,
+        cache_dtype=jnp.bfloat16, eos_token_ids=(), mtp=mtp, speculative_tokens=k,
     )  # fmt: skip
     params, state = engine.params, engine.init_decode_state()
     t0 = time.perf_counter()
     prefix, _ = engine.prefill(params=params, padded_tokens=prompt, true_length=plen, max_tokens=10**6)
     state = engine.bulk_insert(prefix, state, list(range(slots)))
-    k = engine.decode_steps
-    state, blk = engine.generate_block(params, state, k, plen + k + 1)  # compile
+    steps, per = engine.decode_steps, engine.tokens_per_step  # the longest a slot can get per block
+    # One attention length for every block (the longest a slot can reach): one compiled program.
+    attend = plen + (blocks + 1) * steps * per + 1
+    state, blk = engine.generate_block(params, state, steps, attend)  # compile
     jax.block_until_ready(blk.tokens)
     first = time.perf_counter() - t0
     t0 = time.perf_counter()
-    for b in range(blocks):
-        state, blk = engine.generate_block(params, state, k, plen + (b + 2) * k + 1)
-    jax.block_until_ready(blk.tokens)
-    step_s = (time.perf_counter() - t0) / (blocks * k)
+    emitted = 0
+    for _ in range(blocks):
+        state, blk = engine.generate_block(params, state, steps, attend)
+        emitted += blk.valid.sum()
+    emitted = int(jax.device_get(emitted))
+    step_s = (time.perf_counter() - t0) / (blocks * steps)
+    per_step = emitted / (blocks * steps * slots)
     say(
         f"[engine {size}] {slots:4d} slots  first {first:6.1f}s  decode step {step_s * 1e3:7.2f} ms  "
-        f"{slots / step_s:9.0f} tok/s  peak memory so far {gib(peak_bytes())}"
+        f"{per_step:.2f} tokens/step  {slots * per_step / step_s:9.0f} tok/s  peak memory so far {gib(peak_bytes())}"
     )
+    return step_s * 1e3, per_step
 
 
 def main():
@@ -664,6 +695,12 @@ def main():
     # 32K first: the issue's aim is the 2B step's MFU at 32K tokens, so a timeout loses the others.
     ap.add_argument("--tokens", default="32768,8192,65536", help="train: tokens per step (one row each)")
     ap.add_argument("--slots", default="64,256", help="engine: slot counts")
+    ap.add_argument(
+        "--speculative",
+        type=int,
+        default=0,
+        help="engine: draft this many tokens per step (first slot count)",
+    )
     ap.add_argument(
         "--kernels", default="auto", choices=["auto", "jax", "pallas"], help="train: delta-rule path"
     )

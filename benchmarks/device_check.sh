@@ -10,7 +10,9 @@
 #      tensor cores) and remat "layers" (no period-level recompute), and at 8K with the default
 #      (exact float32 on CUDA cores, remat "full", as the earlier runs) as the baseline of the same
 #      machine: tokens/s, MFU, peak device memory;
-#   4. the rollout engine's 0.8B bfloat16 decode at 64 and 256 slots: ms per step, tokens/s;
+#   4. the rollout engine's 0.8B bfloat16 decode at 64 and 256 slots: ms per step, tokens/s; then at
+#      64 slots a speculative engine (k=3) with a draft that is always right: a verify step's cost
+#      against a plain step, tokens per step, the acceptance rate where it breaks even;
 #   5. a profile of one 2B step at 8K tokens (bf16x6): its busiest GPU kernels (trace copied to $OUT);
 #   6. the delta rule's ms, tokens/s, TFLOP/s and compiled temporaries, JAX path vs kernels (T=32K).
 # Each part runs in its own process under its own limit (a crash or hang loses only that part); the
@@ -47,6 +49,7 @@ part 70 --part attention  # GPU attention kernel vs the JAX form (the 32K step's
 part 200 --part train --size 2b --tokens 8192,32768,65536 --f32-dot bf16x6 --remat layers  # the MFU aim: 2B at 32K
 part 60 --part train --size 2b --tokens 8192 --f32-dot highest  # the baseline on the same machine
 part 80 --part engine --size 0.8b  # issue 17: bf16 decode at 64 and 256 slots
+part 50 --part engine --size 0.8b --slots 64 --speculative 3  # issue 17: a verify step's cost
 part 50 --part profile --size 2b --tokens 8192 --f32-dot bf16x6  # where the step's time goes
 part 60 --part kernel
 echo "=== device check done in $((SECONDS - START))s"
