@@ -61,6 +61,8 @@ def test_generate_command_prints_the_decoded_completion(tiny_dir, capsys):
     assert capsys.readouterr().out == expected + "\n"
     assert main(["generate", "--checkpoint", str(tiny_dir / "nope"), "--prompt", "x"]) == 2
     assert "not a directory" in capsys.readouterr().err
+    assert main([*argv, "--speculative-tokens", "2"]) == 2
+    assert "--speculative-tokens=2 drafts" in capsys.readouterr().err
 
 
 def test_generate_command_keeps_its_compiled_programs_for_the_next_run(tiny_dir, tmp_path):

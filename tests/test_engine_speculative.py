@@ -214,3 +214,20 @@ def test_speculative_options_name_what_is_wrong(ckpt, tmp_path):
     )
     with pytest.raises(ConfigError, match="routing_replay"):
         draft_settings(replay, ckpt[0], None)
+
+
+def test_generate_function_with_a_draft(ckpt):
+    """``tmax_jax.engine.generate(..., mtp=, speculative_tokens=)``: the plain call's tokens, with
+    fewer model steps when the draft is right; the engine it keeps is a speculative one."""
+    from tmax_jax.engine import generate
+    from tmax_jax.engine.api import _ENGINES
+
+    model, mtp = near_oracle(ckpt[0], 0.0)
+    prompts = [[int(t) for t in p] for p in PROMPTS]
+    kw = dict(max_new_tokens=10, temperature=1.0, seed=4, eos_token_id=[])
+    plain = generate(model, prompts, **kw)
+    spec = generate(model, prompts, mtp=mtp, speculative_tokens=3, **kw)
+    assert [c.tokens for c in spec] == [c.tokens for c in plain]
+    for a, b in zip(plain, spec):
+        np.testing.assert_allclose(b.logprobs, a.logprobs, atol=2e-5)
+    assert sorted(e.tokens_per_step for e in _ENGINES[model].values()) == [1, 4]

@@ -21,6 +21,12 @@ def register(subparsers) -> None:
     p.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="compute/parameter dtype"
     )
+    p.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=0,
+        help="draft this many tokens per decode step with the checkpoint's MTP module (same output)",
+    )
     p.set_defaults(func=run)
 
 
@@ -29,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tmax_jax.checkpoints import load_hf
     from tmax_jax.engine import generate
+    from tmax_jax.engine.api import speculative_settings
     from tmax_jax.errors import CheckpointError
     from tmax_jax.tokenizer import load_tokenizer
     from tmax_jax.train.setup import enable_compilation_cache
@@ -57,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
         eos_token_id=eos,
         max_concurrent=1,
         cache_dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32,
+        **speculative_settings(
+            ckpt, args.speculative_tokens, setting="--speculative-tokens", dtype=args.dtype
+        ),
     )
     print(tokenizer.decode(out.tokens, skip_special_tokens=False))
     return 0

@@ -48,9 +48,12 @@ def model_eos_ids(model: Any) -> tuple[int, ...]:
     return ()
 
 
-def _engine_for(model: Any, slots: int, max_len: int, max_prefill: int, cache_dtype: Any) -> Engine:
+def _engine_for(
+    model: Any, slots: int, max_len: int, max_prefill: int, cache_dtype: Any, mtp: Any = None, k: int = 0
+) -> Engine:
     per_model = _ENGINES.setdefault(model, {})
-    key = (slots, max_len, max_prefill, jnp.dtype(cache_dtype).name)
+    # The MTP module itself is in the key (an id could be reused by a later module).
+    key = (slots, max_len, max_prefill, jnp.dtype(cache_dtype).name, k, mtp if k else None)
     engine = per_model.get(key)
     if engine is None:
         engine = Engine(
@@ -59,6 +62,8 @@ def _engine_for(model: Any, slots: int, max_len: int, max_prefill: int, cache_dt
             max_cache_length=max_len,
             max_prefill_length=max_prefill,
             cache_dtype=cache_dtype,
+            mtp=mtp,
+            speculative_tokens=k,
         )
         per_model[key] = engine
     else:
@@ -78,13 +83,16 @@ def generate(
     eos_token_id: int | Sequence[int] | None = None,
     max_concurrent: int = 32,
     cache_dtype: Any = jnp.float32,
+    mtp: Any = None,
+    speculative_tokens: int = 0,
 ) -> list[Completion]:
     """Generate for every prompt (token id lists) with continuous batching.
 
     Each output has ``tokens`` (ending with eos, included, or after ``max_new_tokens``) and
     ``logprobs`` (float32 log-softmax(logits / T) of each token; plain logits when T == 0).
     ``eos_token_id`` defaults to the model config's. Prompt ``i`` samples with its own key derived
-    from ``(seed, i)``, so results do not depend on batching.
+    from ``(seed, i)``, so results do not depend on batching. ``mtp`` and ``speculative_tokens``:
+    speculative decoding (``Engine``); the tokens are the same.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -100,7 +108,7 @@ def generate(
     max_len = max(64, _next_pow2(longest + max_new_tokens + 1))
     max_prefill = min(512, max(16, _next_pow2(longest)))
     slots = min(_next_pow2(len(prompts)), _next_pow2(max_concurrent))
-    engine = _engine_for(model, slots, max_len, max_prefill, cache_dtype)
+    engine = _engine_for(model, slots, max_len, max_prefill, cache_dtype, mtp, speculative_tokens)
     requests = [
         Request(
             prompt=p,
