@@ -2,10 +2,14 @@
 composed from transformers' own layers, and the speculative engine against the plain one and the
 trainer's logprobs (the emitted tokens must be the model's own, whatever the draft proposes)."""
 
+import json
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from helpers_hf import add_mtp_to_checkpoint, make_tiny_hf_checkpoint
 from test_engine_blocks import trainer_logprobs
 
@@ -231,3 +235,36 @@ def test_generate_function_with_a_draft(ckpt):
     for a, b in zip(plain, spec):
         np.testing.assert_allclose(b.logprobs, a.logprobs, atol=2e-5)
     assert sorted(e.tokens_per_step for e in _ENGINES[model].values()) == [1, 4]
+
+
+@pytest.mark.parametrize("shard", ["5GB", "30KB"])
+def test_save_hf_writes_the_mtp_tensors(ckpt, tmp_path, shard):
+    """``save_hf(model, mtp=)`` writes the module as the checkpoint's ``mtp.*`` tensors (indexed when
+    sharded): the same values the torch module wrote, read back by load_mtp, while transformers loads
+    the directory as before."""
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tmax_jax.checkpoints import save_hf
+
+    path, torch_mtp = ckpt
+    model, mtp = load_hf(path), load_mtp(path)
+    out = save_hf(model, tmp_path / "out", mtp=mtp, max_shard_size=shard)
+    written = {}
+    for f in out.glob("*.safetensors"):
+        written.update(load_file(str(f)))
+    expected = {k: v.numpy() for k, v in torch_mtp.mtp_state_dict().items()}
+    assert expected and set(expected) <= set(written)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(written[name], value, err_msg=name)
+    if shard == "30KB":
+        index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+        assert set(expected) <= set(index)
+    again = load_mtp(out)
+    for a, b in zip(jax.tree.leaves(nnx.state(again)), jax.tree.leaves(nnx.state(mtp))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype="float32").eval()
+    ids = torch.tensor([[5, 9, 2, 7, 1]])
+    with torch.no_grad():
+        logits = hf(ids).logits.numpy()
+    np.testing.assert_allclose(logits, np.asarray(model(jnp.asarray(ids.numpy()))), atol=2e-5)

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from tmax_jax.checkpoints.hf_layout import TEXT_PREFIX, all_params
+from tmax_jax.checkpoints.hf_layout import MTP_PREFIXES, TEXT_PREFIX, all_params, mtp_params
 from tmax_jax.checkpoints.safetensors_io import write_safetensors
 from tmax_jax.errors import CheckpointError
 
@@ -35,29 +35,38 @@ def parse_size(size: int | str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
-def save_hf(model, out_dir: str | Path, *, max_shard_size: int | str = "5GB", tokenizer=None) -> Path:
+def save_hf(
+    model, out_dir: str | Path, *, max_shard_size: int | str = "5GB", tokenizer=None, mtp=None
+) -> Path:
     """Writes safetensors (sharded with an index past ``max_shard_size``), config.json,
-    generation_config.json and, when given, the tokenizer (an HF tokenizer or a directory to copy from)."""
+    generation_config.json and, when given, the tokenizer (an HF tokenizer or a directory to copy
+    from). ``mtp``: a multi-token-prediction module (``load_mtp``) written beside the model as the
+    ``mtp.*`` tensors published Qwen 3.5 checkpoints carry (transformers skips them)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = model.config
     limit = parse_size(max_shard_size)
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    modules = [(flat, all_params(cfg, TEXT_PREFIX))]
+    if mtp is not None:
+        mtp_flat = dict(nnx.to_flat_state(nnx.state(mtp, nnx.Param)))
+        modules.append((mtp_flat, mtp_params(cfg, MTP_PREFIXES[0], mtp.num_layers)))
 
     # Plan shards from shapes alone, then materialise one shard at a time on the host.
-    entries = []  # (hf_name, param path, slice index or None, nbytes)
-    for p in all_params(cfg, TEXT_PREFIX):
-        arr = flat[p.path].get_value()
-        per = arr.dtype.itemsize * int(np.prod(arr.shape[1:] if p.stacked else arr.shape))
-        for g, name in enumerate(p.hf_names):
-            entries.append((name, p, g if p.stacked else None, per))
+    entries = []  # (hf_name, param, its module's flat state, slice index or None, nbytes)
+    for tree, params in modules:
+        for p in params:
+            arr = tree[p.path].get_value()
+            per = arr.dtype.itemsize * int(np.prod(arr.shape[1:] if p.stacked else arr.shape))
+            for g, name in enumerate(p.hf_names):
+                entries.append((name, p, tree, g if p.stacked else None, per))
     shards, cur, cur_size = [], [], 0
     for e in entries:
-        if cur and cur_size + e[3] > limit:
+        if cur and cur_size + e[4] > limit:
             shards.append(cur)
             cur, cur_size = [], 0
         cur.append(e)
-        cur_size += e[3]
+        cur_size += e[4]
     if cur:
         shards.append(cur)
 
@@ -69,16 +78,15 @@ def save_hf(model, out_dir: str | Path, *, max_shard_size: int | str = "5GB", to
         fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
         def tensors(shard=shard):
-            for name, p, g, _ in shard:
-                host = np.asarray(
-                    jax.device_get(flat[p.path].get_value() if g is None else flat[p.path].get_value()[g])
-                )
+            for name, p, tree, g, _ in shard:
+                value = tree[p.path].get_value()
+                host = np.asarray(jax.device_get(value if g is None else value[g]))
                 yield name, p.rule.to_hf(host, cfg)
 
         write_safetensors(out / fname, tensors())
         weight_map.update({name: fname for name, *_ in shard})
     if n > 1:
-        total = sum(e[3] for e in entries)
+        total = sum(e[4] for e in entries)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 

@@ -11,7 +11,7 @@ from tmax_jax.train.config import TrainConfig
 
 def export_step(run_dir: str | Path, step: int | None, out_dir: str | Path) -> tuple[int, Path]:
     """Restore ``step`` (default: the newest) of ``run_dir`` and write it with ``save_hf``."""
-    from tmax_jax.checkpoints import load_hf, save_hf
+    from tmax_jax.checkpoints import load_hf, load_mtp, save_hf
     from tmax_jax.rl.state import TrainCheckpointer
     from tmax_jax.rl.train_step import TrainStep
     from tmax_jax.sharding import make_mesh
@@ -41,5 +41,10 @@ def export_step(run_dir: str | Path, step: int | None, out_dir: str | Path) -> t
         state, _ = ckpt.restore(step, step_fn.abstract_state())
     finally:
         ckpt.close()
-    out = save_hf(step_fn.model(state), out_dir, tokenizer=init)
+    # The checkpoint's MTP module (speculative decoding's draft) goes along unchanged: RL does not
+    # train it. An SFT directory written before SFT kept it leaves it in model.checkpoint.
+    mtp = load_mtp(init)
+    if mtp is None and cfg.model.checkpoint and init != Path(cfg.model.checkpoint):
+        mtp = load_mtp(cfg.model.checkpoint)
+    out = save_hf(step_fn.model(state), out_dir, tokenizer=init, mtp=mtp)
     return step, out

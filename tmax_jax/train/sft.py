@@ -51,7 +51,7 @@ def run_sft(
     """
     import jax
 
-    from tmax_jax.checkpoints import load_hf, read_hf_config, save_hf
+    from tmax_jax.checkpoints import load_hf, load_mtp, read_hf_config, save_hf
     from tmax_jax.distributed import barrier, is_primary
     from tmax_jax.rl.packing import pack_trajectories, pad_rows_across_processes
     from tmax_jax.sharding import ProcessReplicas, make_mesh
@@ -129,7 +129,7 @@ def run_sft(
     }
     if is_primary():
         (out / SUMMARY_FILE).unlink(missing_ok=True)  # an earlier run's marker must not vouch for these files
-        save_hf(tuned, out, tokenizer=init)
+        save_hf(tuned, out, tokenizer=init, mtp=load_mtp(init))  # the draft module passes through
         (out / EXAMPLES_FILE).unlink(missing_ok=True)
         write_jsonl(out / EXAMPLES_FILE, data)
         # Written last: its presence says the checkpoint beside it is complete.
