@@ -268,3 +268,25 @@ def test_save_hf_writes_the_mtp_tensors(ckpt, tmp_path, shard):
     with torch.no_grad():
         logits = hf(ids).logits.numpy()
     np.testing.assert_allclose(logits, np.asarray(model(jnp.asarray(ids.numpy()))), atol=2e-5)
+
+
+def test_speculative_group_samples_of_one_prompt(ckpt):
+    """A GRPO group (several samples of one prompt, prefilled once and forked into their slots, the
+    draft's state with them) and a repeated prompt from the prompt cache: the plain engine's tokens."""
+    model, mtp = near_oracle(ckpt[0], 0.3)
+    prompt = [int(t) for t in PROMPTS[1]]
+    reqs = [
+        Request(prompt=prompt, max_tokens=12, sampling=SamplingParams(temperature=1.0, seed=20 + i))
+        for i in range(6)
+    ]
+    outs = []
+    for engine in (Engine(model, **KW), Engine(model, mtp=mtp, speculative_tokens=2, **KW)):
+        with Orchestrator(engine) as orch:
+            first = orch.generate(reqs)
+            again = orch.generate(reqs[:2])  # the prompt cache's entry this time
+        outs.append(first + again)
+        if engine.tokens_per_step > 1:
+            assert engine.prefill_counts["rows"] < len(reqs)  # the group was forked, not prefilled 6 times
+    for a, b in zip(*outs):
+        assert b.tokens == a.tokens
+        np.testing.assert_allclose(b.logprobs, a.logprobs, atol=2e-5)
