@@ -10,6 +10,18 @@ from tmax_jax.engine import Engine, Orchestrator, Request, SamplingParams
 from tmax_jax.sharding import MeshConfig, make_mesh, param_shardings, shard_tree
 
 
+def _requests(max_tokens: int) -> list[Request]:
+    """Three prompts of 3-5 tokens: greedy, T=1 and T=0.7."""
+    return [
+        Request(
+            prompt=[3, 1, 4, 1, 5, 9, 2, 6][: 3 + i],
+            max_tokens=max_tokens,
+            sampling=SamplingParams(temperature=t, seed=i),
+        )
+        for i, t in enumerate([0.0, 1.0, 0.7])
+    ]
+
+
 def test_sharded_params_decode_like_single_device(tmp_path):
     assert jax.device_count() == 8
     ckpt = make_tiny_hf_checkpoint(tmp_path, seed=7)
@@ -20,14 +32,7 @@ def test_sharded_params_decode_like_single_device(tmp_path):
     nnx.update(model, shard_tree(state, param_shardings(state, mesh)))
     sharded = [x for x in jax.tree.leaves(nnx.state(model)) if len(x.sharding.device_set) == 8]
     assert sharded, "no parameter was placed on the mesh"
-    reqs = [
-        Request(
-            prompt=[3, 1, 4, 1, 5, 9, 2, 6][: 3 + i],
-            max_tokens=6,
-            sampling=SamplingParams(temperature=t, seed=i),
-        )
-        for i, t in enumerate([0.0, 1.0, 0.7])
-    ]
+    reqs = _requests(6)
     outs = []
     for m in (ref_model, model):
         engine = Engine(m, max_concurrent_decodes=2, max_cache_length=32, max_prefill_length=16)
@@ -52,14 +57,7 @@ def test_speculative_engine_on_sharded_params(tmp_path):
     add_mtp_to_checkpoint(ckpt, seed=8)
     mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))
     model = load_hf(ckpt, mesh=mesh)
-    reqs = [
-        Request(
-            prompt=[3, 1, 4, 1, 5, 9, 2, 6][: 3 + i],
-            max_tokens=7,
-            sampling=SamplingParams(temperature=t, seed=i),
-        )
-        for i, t in enumerate([0.0, 1.0, 0.7])
-    ]
+    reqs = _requests(7)
     kw = dict(max_concurrent_decodes=2, max_cache_length=32, max_prefill_length=16)
     with Orchestrator(Engine(load_hf(ckpt), **kw)) as orch:
         ref = orch.generate(reqs)
