@@ -28,6 +28,7 @@ COMMAND_MODULES: list[str] = [
     "export_hf",
     "init_tiny",
     "generate",
+    "fit_mtp",
 ]
 
 

@@ -1,0 +1,137 @@
+"""Fitting the MTP module to a policy (train/mtp_fit.py): the distillation loss against a float64
+NumPy computation of it, and a fitted module that makes a speculative engine keep more drafts while
+it emits exactly the plain engine's tokens."""
+
+import numpy as np
+import pytest
+from helpers_hf import add_mtp_to_checkpoint, make_tiny_hf_checkpoint
+
+from tmax_jax.checkpoints import load_hf, load_mtp
+from tmax_jax.engine import Engine, Orchestrator, Request, SamplingParams
+from tmax_jax.errors import ConfigError
+from tmax_jax.train.mtp_fit import fit_mtp, mtp_distill_loss, pad_rows
+
+KW = dict(
+    max_concurrent_decodes=8, max_cache_length=96, max_prefill_length=16, decode_steps=4, min_attend_bucket=32
+)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("fit"), seed=3)
+    add_mtp_to_checkpoint(path, seed=4)
+    return path
+
+
+def _log_softmax64(x):
+    x = np.asarray(x, np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_distill_loss_matches_a_float64_reference(ckpt):
+    """Rows of different lengths (padding), each position against the policy's distribution one
+    token on: the teacher from the model's own forward, the KL and its mask in float64."""
+    model, mtp = load_hf(ckpt), load_mtp(ckpt)
+    rows = [[5, 9, 2, 7, 1, 3, 8], [4, 4, 200, 17], [11, 12]]
+    ids, seg = pad_rows(rows, 8)
+    loss, count = mtp_distill_loss(mtp, model, ids, seg)
+    teacher = np.asarray(model(ids, segment_ids=seg))  # [B, T, V] logits
+    h = model.hidden_states(ids, segment_ids=seg)
+    head = np.asarray(model.lm_head_weight(), np.float64)
+    kls = []
+    for b, row in enumerate(rows):
+        nxt = np.zeros((1, 8), np.int32)  # position i reads t_{i+1} and predicts t_{i+2}
+        nxt[0, : len(row) - 1] = row[1:]
+        out, _ = mtp(model.embed_tokens[...], h[b : b + 1], nxt, np.arange(8)[None], seg[b : b + 1])
+        for i in range(len(row) - 1):
+            log_p = _log_softmax64(teacher[b, i + 1])
+            log_q = _log_softmax64(np.asarray(out[0, i], np.float64) @ head)
+            kls.append(float(np.sum(np.exp(log_p) * (log_p - log_q))))
+    assert int(count) == len(kls) == 6 + 3 + 1
+    np.testing.assert_allclose(float(loss), np.mean(kls), rtol=2e-4, atol=1e-7)
+
+
+def _run(model, mtp, prompts, temperature, seed0):
+    engine = Engine(model, mtp=mtp, speculative_tokens=3, **KW) if mtp is not None else Engine(model, **KW)
+    reqs = [
+        Request(prompt=p, max_tokens=32, sampling=SamplingParams(temperature=temperature, seed=seed0 + i))
+        for i, p in enumerate(prompts)
+    ]
+    with Orchestrator(engine) as orch:
+        outs = orch.generate(reqs)
+        slot_steps, tokens = orch.take_decode_counts()
+    return [o.tokens for o in outs], tokens / slot_steps
+
+
+def test_fitted_module_keeps_more_drafts_and_the_same_tokens(ckpt):
+    """The checkpoint's random module almost never guesses the greedy token; fitted on the policy's
+    own samples it does most of the time (tokens per model step well above 1), and the engine still
+    emits the plain engine's tokens."""
+    model, mtp = load_hf(ckpt), load_mtp(ckpt)
+    rng = np.random.default_rng(0)
+    train = [[int(t) for t in rng.integers(0, 256, 6)] for _ in range(64)]
+    samples, _ = _run(model, None, train, 1.0, 0)
+    test = [[int(t) for t in rng.integers(0, 256, 6)] for _ in range(8)]
+    plain, _ = _run(model, None, test, 0.0, 100)
+    before, per_step_before = _run(model, mtp, test, 0.0, 100)
+    losses = fit_mtp(model, mtp, [p + s for p, s in zip(train, samples)], steps=300, learning_rate=3e-3,
+                     batch_size=16)  # fmt: skip
+    after, per_step_after = _run(model, mtp, test, 0.0, 100)
+    assert before == plain and after == plain
+    assert np.mean(losses[-10:]) < np.mean(losses[:10]) / 4
+    assert per_step_before < 1.2 and per_step_after > 1.8, (per_step_before, per_step_after)
+
+
+def test_fit_settings_are_checked(ckpt):
+    model, mtp = load_hf(ckpt), load_mtp(ckpt)
+    with pytest.raises(ConfigError, match="steps"):
+        fit_mtp(model, mtp, [[1, 2, 3]], steps=0)
+    with pytest.raises(ConfigError, match="at least 2 tokens"):
+        fit_mtp(model, mtp, [[1, 2, 3], [4]], steps=1)
+    with pytest.raises(ConfigError, match="learning_rate"):
+        fit_mtp(model, mtp, [[1, 2, 3]], steps=1, learning_rate=0.0)
+
+
+def test_fit_mtp_command(tmp_path, capsys):
+    """``tmax-jax fit-mtp`` on a checkpoint without an MTP module, from JSONL prompts and from task
+    directories: the output checkpoint holds a fitted module (load_mtp reads it, its loss fell) and
+    the same policy; bad input is named."""
+    import json
+
+    from harbor_helpers import write_harbor_task
+
+    from tmax_jax.cli import main
+
+    ckpt = make_tiny_hf_checkpoint(tmp_path / "ckpt", tokenizer=True, vocab_size=512, seed=5)
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": f"ls -la /tmp/{i}"} for i in range(5)]
+    lines += [{"messages": [{"role": "user", "content": f"count the files in /srv/{i}"}]} for i in range(3)]
+    prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    base = ["fit-mtp", "--checkpoint", str(ckpt), "--samples", "2", "--max-new-tokens", "12", "--steps", "40",
+            "--batch-size", "8", "--learning-rate", "3e-3", "--heldout", "0.25"]  # fmt: skip
+    assert main([*base, "--prompts", str(prompts), "--out", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert "holds no MTP module" in out and "tokens per model step" in out
+    first, last = (float(x) for x in out.split("fit-mtp: loss ")[1].split(";")[0].split(" -> "))
+    assert last < first
+    mtp = load_mtp(tmp_path / "a")
+    assert mtp is not None and mtp.num_layers == 1
+    ids = np.array([[3, 1, 4, 1, 5]])
+    np.testing.assert_array_equal(np.asarray(load_hf(tmp_path / "a")(ids)), np.asarray(load_hf(ckpt)(ids)))
+
+    tasks = tmp_path / "tasks"
+    for i in range(3):
+        write_harbor_task(
+            tasks, f"t{i}", "files", f"Write {i} into /app/out.txt", "FROM scratch\n", "true", {}
+        )
+    argv = [*base, "--tasks", str(tasks), "--no-tool-schema", "--heldout", "0", "--out", str(tmp_path / "b")]
+    assert main(argv) == 0
+    assert "acceptance not measured" in capsys.readouterr().out
+    assert load_mtp(tmp_path / "b") is not None
+
+    assert main([*base, "--prompts", str(prompts), "--out", str(ckpt)]) == 2
+    assert "must be a new or empty directory" in capsys.readouterr().err
+    prompts.write_text('{"prompt": "ok"}\nnot json\n')
+    assert main([*base, "--prompts", str(prompts), "--out", str(tmp_path / "c")]) == 2
+    assert "prompts.jsonl:2: not JSON" in capsys.readouterr().err

@@ -1,0 +1,199 @@
+"""Fit a multi-token-prediction (MTP) module to a policy, so that speculative decoding drafts well.
+
+The MTP module drafts for ``Engine(speculative_tokens=k)``; what it drafts never changes what the
+engine samples, only how many drafts survive. A policy trained by RL drifts away from the module
+its checkpoint shipped with (or has none), and acceptance falls. ``fit_mtp`` distils the policy into
+the module: at position ``i`` the module reads the policy's final-norm hidden state ``h_i`` and the
+token ``t_{i+1}`` and is trained towards the policy's own distribution of ``t_{i+2}`` (its logits at
+``i + 1``),
+
+    loss = mean over positions of KL(p_policy(. | t_<=i+1) || q_mtp(. | h_i, t_{i+1}))
+
+in float32, at temperature 1. That is the quantity speculative sampling's acceptance depends on:
+a draft is kept when it equals the policy's sample under a shared key, so the closer the two
+distributions, the more drafts survive. The policy is frozen (no gradient reaches it); only the
+module's weights move. Sequences are any token rows the policy will continue, typically its own
+samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from tmax_jax.errors import ConfigError
+from tmax_jax.rl.logprobs import head_logits
+
+
+def pad_rows(rows: Sequence[Sequence[int]], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, segment ids) ``[len(rows), seq_len]``: each row left-aligned and cut to ``seq_len``,
+    segment id 1 on its tokens and 0 on the padding."""
+    ids = np.zeros((len(rows), seq_len), np.int32)
+    seg = np.zeros((len(rows), seq_len), np.int32)
+    for r, row in enumerate(rows):
+        row = list(row)[:seq_len]
+        ids[r, : len(row)] = row
+        seg[r, : len(row)] = 1
+    return ids, seg
+
+
+def mtp_distill_loss(
+    mtp: Any, model: Any, ids_BxT: jax.Array, seg_BxT: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """(mean KL over the positions that have a next token, their count); see the module docstring.
+    ``seg_BxT``: segment ids as in the model's forward (0: padding), sequences packed or one per row."""
+    B, T = ids_BxT.shape
+    seg = seg_BxT.astype(jnp.int32)
+    h_BxTxD = jax.lax.stop_gradient(model.hidden_states(ids_BxT, segment_ids=seg))
+    weight = model.lm_head_weight()
+    teacher_BxTxV = jax.lax.stop_gradient(head_logits(h_BxTxD, weight))
+    # Position i predicts t_{i+2}: it needs t_{i+1} in its own sequence; the teacher is the policy's
+    # logits at i + 1.
+    next_seg = jnp.concatenate([seg[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
+    valid_BxT = (seg > 0) & (next_seg == seg)
+    next_ids = jnp.concatenate([ids_BxT[:, 1:], jnp.zeros((B, 1), ids_BxT.dtype)], axis=1)
+    teacher_BxTxV = jnp.concatenate([teacher_BxTxV[:, 1:], teacher_BxTxV[:, -1:]], axis=1)
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))  # one sequence per row from position 0
+    out_BxTxD, _ = mtp(model.embed_tokens[...], h_BxTxD, jnp.where(valid_BxT, next_ids, 0), positions, seg)
+    student_BxTxV = head_logits(out_BxTxD, weight)
+    log_p = jax.nn.log_softmax(teacher_BxTxV.astype(jnp.float32), axis=-1)
+    log_q = jax.nn.log_softmax(student_BxTxV.astype(jnp.float32), axis=-1)
+    kl_BxT = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+    count = jnp.sum(valid_BxT)
+    return jnp.sum(jnp.where(valid_BxT, kl_BxT, 0.0)) / jnp.maximum(count, 1), count
+
+
+def fit_mtp(
+    model: Any,
+    mtp: Any,
+    rows: Sequence[Sequence[int]],
+    *,
+    steps: int,
+    learning_rate: float = 1e-3,
+    batch_size: int = 8,
+    seq_len: int | None = None,
+    seed: int = 0,
+    log: Callable[[str], None] | None = None,
+) -> list[float]:
+    """Train ``mtp`` in place on ``rows`` (token lists of at least 2 tokens) for ``steps`` AdamW
+    steps of ``batch_size`` rows drawn at random (``seed``), each cut to ``seq_len`` (default: the
+    longest row). Returns the loss of every step (before its update)."""
+    for name, v in (("steps", steps), ("batch_size", batch_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"fit_mtp: {name} must be a positive integer, got {v!r}")
+    if not learning_rate > 0:
+        raise ConfigError(f"fit_mtp: learning_rate must be > 0, got {learning_rate!r}")
+    rows = [list(r) for r in rows]
+    if not rows or any(len(r) < 2 for r in rows):
+        raise ConfigError("fit_mtp: rows must be a non-empty list of token lists of at least 2 tokens")
+    if mtp.config.hidden_size != model.config.hidden_size:
+        raise ConfigError(
+            f"fit_mtp: the MTP module's hidden size {mtp.config.hidden_size} != the model's "
+            f"{model.config.hidden_size}"
+        )
+    ids, seg = pad_rows(rows, seq_len or max(len(r) for r in rows))
+    model_def, model_state = nnx.split(model)
+    mtp_def, params, rest = nnx.split(mtp, nnx.Param, ...)
+    opt = optax.adamw(learning_rate, weight_decay=0.0)
+    opt_state = opt.init(params)
+
+    @jax.jit
+    def step(params, opt_state, model_state, ids, seg):
+        def loss_fn(p):
+            return mtp_distill_loss(nnx.merge(mtp_def, p, rest), nnx.merge(model_def, model_state), ids, seg)[
+                0
+            ]
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    rng = np.random.default_rng(seed)
+    losses = []
+    for i in range(steps):
+        pick = rng.choice(len(rows), size=batch_size, replace=len(rows) < batch_size)
+        params, opt_state, loss = step(params, opt_state, model_state, ids[pick], seg[pick])
+        losses.append(float(loss))
+        if log is not None and (i == 0 or (i + 1) % max(1, steps // 10) == 0):
+            log(f"fit_mtp: step {i + 1}/{steps} loss {losses[-1]:.4f}")
+    nnx.update(mtp, params)
+    return losses
+
+
+def _engine_kw(prompts: Sequence[Sequence[int]], max_new_tokens: int, slots: int, k: int) -> dict:
+    longest = max(len(p) for p in prompts)
+    return dict(
+        max_concurrent_decodes=slots,
+        max_cache_length=longest + max_new_tokens + 8 * (k + 1),
+        max_prefill_length=longest,
+    )
+
+
+def sample_completions(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    samples: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int = 0,
+    slots: int = 16,
+    eos_token_ids: Sequence[int] = (),
+) -> list[list[int]]:
+    """``samples`` completions of every prompt by the policy (prompt ``i``'s ``j``-th sample
+    seeded ``(seed, i, j)``), each returned as prompt + completion: the rows ``fit_mtp`` trains on."""
+    from tmax_jax.engine import Engine, Orchestrator, Request, SamplingParams
+
+    engine = Engine(model, eos_token_ids=eos_token_ids, **_engine_kw(prompts, max_new_tokens, slots, 0))
+    reqs = [
+        Request(
+            prompt=list(p),
+            max_tokens=max_new_tokens,
+            sampling=SamplingParams(temperature=temperature, seed=(seed * 1_000_003 + i) * 1_009 + j),
+        )
+        for i, p in enumerate(prompts)
+        for j in range(samples)
+    ]
+    with Orchestrator(engine) as orch:
+        outs = orch.generate(reqs)
+    return [list(r.prompt) + list(o.tokens) for r, o in zip(reqs, outs)]
+
+
+def draft_tokens_per_step(
+    model: Any,
+    mtp: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    k: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int = 0,
+    slots: int = 16,
+    eos_token_ids: Sequence[int] = (),
+) -> float:
+    """Tokens a speculative engine drafting ``k`` per step with ``mtp`` emits per slot and model
+    step (1 to ``k + 1``) over ``prompts``: the measure fitting should raise."""
+    from tmax_jax.engine import Engine, Orchestrator, Request, SamplingParams
+
+    engine = Engine(
+        model, mtp=mtp, speculative_tokens=k, eos_token_ids=eos_token_ids,
+        **_engine_kw(prompts, max_new_tokens, slots, k),
+    )  # fmt: skip
+    reqs = [
+        Request(
+            prompt=list(p),
+            max_tokens=max_new_tokens,
+            sampling=SamplingParams(temperature=temperature, seed=seed + i),
+        )
+        for i, p in enumerate(prompts)
+    ]
+    with Orchestrator(engine) as orch:
+        orch.generate(reqs)
+        slot_steps, tokens = orch.take_decode_counts()
+    return tokens / max(slot_steps, 1)
