@@ -36,6 +36,7 @@ def register(subparsers) -> None:
     p.add_argument(
         "--no-tool-schema", action="store_true", help="--tasks: leave the tool schemas out of the prompt"
     )
+    p.add_argument("--system-prompt", default="", help="--tasks: instead of the harness's system prompt")
     p.add_argument("--samples", type=int, default=4, help="completions sampled per prompt")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
@@ -78,7 +79,9 @@ def _prompts(args, tokenizer) -> list[list[int]]:
     from tmax_jax.agent.episode import AgentConfig, make_chat
     from tmax_jax.tasks.loader import find_tasks, load_task
 
-    cfg = AgentConfig(harness=args.harness, tool_schema_in_prompt=not args.no_tool_schema)
+    cfg = AgentConfig(
+        harness=args.harness, tool_schema_in_prompt=not args.no_tool_schema, system_prompt=args.system_prompt
+    )
     chat = make_chat(tokenizer, cfg)
     system = cfg.prompt()
     return [
