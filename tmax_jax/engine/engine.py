@@ -1073,10 +1073,16 @@ class Engine(EngineAPI):
             embed, dr["hidden"], dr["ids"], (L - n)[:, None] + j1[None], seg, self._mtp_kv(cache), L - n
         )
         h_SxD = jnp.take_along_axis(m_SxK1xD, jnp.maximum(n - 1, 0)[:, None, None], axis=1)[:, 0]
+        # The keys of the step's k + 1 tokens, made once: verify row j samples with key j, and draft
+        # i with the key of the token it guesses (key i).
+        gen_SxK1 = st.generated[:, None] + j1[None]
+        keys = sampling.step_keys(jnp.repeat(st.key, k1, axis=0), gen_SxK1.reshape(-1))
+        keys_SxK1 = keys.reshape(S, k1, *keys.shape[1:])
         drafts = []
         for i in range(k):
-            keys_S = sampling.step_keys(st.key, st.generated + i)  # the key of the token it guesses
-            d_S, _ = sampling.sample(self._logits(model, h_SxD), keys_S, st.temperature, st.top_k, st.top_p)
+            d_S, _ = sampling.sample(
+                self._logits(model, h_SxD), keys_SxK1[:, i], st.temperature, st.top_k, st.top_p
+            )
             drafts.append(d_S)
             if i + 1 < k:  # provisional positions: the next step's pending inputs overwrite them
                 pos = (L + i)[:, None]
@@ -1097,8 +1103,6 @@ class Engine(EngineAPI):
             keep_states=True,
         )
         logits = self._logits(model, hidden_SxK1xD.reshape(S * k1, -1))
-        gen_SxK1 = st.generated[:, None] + j1[None]
-        keys = sampling.step_keys(jnp.repeat(st.key, k1, axis=0), gen_SxK1.reshape(-1))
 
         def per_token(a):
             return jnp.repeat(a, k1, axis=0)

@@ -212,6 +212,8 @@ class Orchestrator:
         # tokens they emitted (a speculative step emits 1 to tokens_per_step per slot).
         self._counts_lock = threading.Lock()
         self._slot_steps = self._decode_tokens = 0
+        self._per_step = 1.0  # tokens a slot got per step so far (sizes a speculative engine's blocks)
+        self._lifetime = [0, 0]
         self._prefilling = 0
         self._error: BaseException | None = None
         self._threads = [
@@ -515,13 +517,16 @@ class Orchestrator:
     def _block_steps(self) -> int:
         """Decode steps for the next block: the engine's ``decode_steps``, fewer (a power of two) when
         every live request ends sooner, 1 while a session request with stop strings decodes (a stop
-        string found mid-block would leave tokens past it in the cache its next turn reuses)."""
+        string found mid-block would leave tokens past it in the cache its next turn reuses). A
+        speculative engine's steps give several tokens each: it counts the tokens per step its
+        slots got so far."""
         eng = self.engine
         live = [s for s in self._slots if s is not None]
         if any(s.handle.request.stop and s.handle.request.session_id is not None for s in live):
             return 1
         remaining = max(s.handle.request.max_tokens - len(s.handle.tokens) for s in live)
-        return max(1, min(eng.decode_steps, _next_pow2(max(remaining, 1))))
+        steps = int(np.ceil(max(remaining, 1) / self._per_step))
+        return max(1, min(eng.decode_steps, _next_pow2(max(steps, 1))))
 
     def _generate_loop(self) -> None:
         eng = self.engine
@@ -557,6 +562,9 @@ class Orchestrator:
             with self._counts_lock:
                 self._slot_steps += int(rows[:, 0].sum())
                 self._decode_tokens += int(rows.sum())
+            self._lifetime[0] += int(rows[:, 0].sum())
+            self._lifetime[1] += int(rows.sum())
+            self._per_step = max(1.0, self._lifetime[1] / max(self._lifetime[0], 1))
             for j in range(steps * per_step):
                 if all(s is None for s in self._slots):
                     break
