@@ -209,10 +209,20 @@ def test_speculative_options_name_what_is_wrong(ckpt, tmp_path):
 
     with pytest.raises(ConfigError, match="engine.speculative_tokens must be an integer >= 0"):
         load_train_config(None, {"engine": {"speculative_tokens": -1}})
+    with pytest.raises(ConfigError, match="set engine.speculative_tokens"):
+        load_train_config(None, {"engine": {"draft_fit_steps": 5}})
+    with pytest.raises(ConfigError, match="engine.draft_fit_learning_rate must be > 0"):
+        load_train_config(
+            None, {"engine": {"speculative_tokens": 1, "draft_fit_steps": 5, "draft_fit_learning_rate": 0}}
+        )
     cfg = load_train_config(None, {"engine": {"speculative_tokens": 3}})
     with pytest.raises(ConfigError, match=r"engine.speculative_tokens=3 .* holds no mtp"):
         draft_settings(cfg, plain, None)
     assert draft_settings(cfg, ckpt[0], None)["speculative_tokens"] == 3
+    # Fitting the draft after every step starts a new module where the checkpoint has none.
+    fit = load_train_config(None, {"engine": {"speculative_tokens": 2, "draft_fit_steps": 3}})
+    fresh = draft_settings(fit, plain, None)["mtp"]
+    assert fresh.num_layers == 1 and fresh.config.hidden_size == load_hf(plain).config.hidden_size
     replay = load_train_config(
         None, {"engine": {"speculative_tokens": 1}, "rl": {"train_step": {"routing_replay": True}}}
     )

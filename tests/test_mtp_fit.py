@@ -4,6 +4,7 @@ it emits exactly the plain engine's tokens."""
 
 import numpy as np
 import pytest
+from flax import nnx
 from helpers_hf import add_mtp_to_checkpoint, make_tiny_hf_checkpoint
 
 from tmax_jax.checkpoints import load_hf, load_mtp
@@ -135,3 +136,41 @@ def test_fit_mtp_command(tmp_path, capsys):
     prompts.write_text('{"prompt": "ok"}\nnot json\n')
     assert main([*base, "--prompts", str(prompts), "--out", str(tmp_path / "c")]) == 2
     assert "prompts.jsonl:2: not JSON" in capsys.readouterr().err
+
+
+def test_draft_fitter_swaps_into_a_running_engine(ckpt):
+    """What a train run with engine.draft_fit_steps does between steps: DraftFitter fits the draft
+    to the policy (one compiled step, data of any length cut or padded to its seq_len), and
+    Engine.update_draft gives it to the engine, whose next requests keep more drafts and emit the
+    plain engine's tokens. Weights of another shape are refused."""
+    from tmax_jax.models.qwen35.mtp import MultiTokenPredictor
+    from tmax_jax.train.mtp_fit import DraftFitter
+
+    model, mtp = load_hf(ckpt), load_mtp(ckpt)
+    rng = np.random.default_rng(1)
+    train = [[int(t) for t in rng.integers(0, 256, 6)] for _ in range(64)]
+    samples, _ = _run(model, None, train, 1.0, 0)
+    test = [[int(t) for t in rng.integers(0, 256, 6)] for _ in range(8)]
+    plain, _ = _run(model, None, test, 0.0, 100)
+    engine = Engine(model, mtp=mtp, speculative_tokens=3, **KW)
+    fitter = DraftFitter(model, mtp, learning_rate=3e-3, batch_size=16, seq_len=24)
+    reqs = [Request(prompt=p, max_tokens=32, sampling=SamplingParams(temperature=0.0)) for p in test]
+    per_step = []
+    with Orchestrator(engine) as orch:
+        for _ in range(2):
+            outs = orch.generate(reqs)
+            slot_steps, tokens = orch.take_decode_counts()
+            per_step.append(tokens / slot_steps)
+            assert [o.tokens for o in outs] == plain
+            rows = [p + s for p, s in zip(train, samples)]  # 38 tokens: cut to 24
+            fitter.fit(model, rows, 150)
+            engine.update_draft(fitter.module())
+        outs = orch.generate(reqs)
+        slot_steps, tokens = orch.take_decode_counts()
+        per_step.append(tokens / slot_steps)
+    assert [o.tokens for o in outs] == plain
+    assert per_step[0] < 1.2 and per_step[-1] > 1.8, per_step
+    with pytest.raises(ConfigError, match="structure, shape or dtype"):
+        engine.update_draft(MultiTokenPredictor(model.config, 2, rngs=nnx.Rngs(0)))
+    with pytest.raises(ConfigError, match="does not decode speculatively"):
+        Engine(model, **KW).update_draft(mtp)

@@ -391,6 +391,22 @@ class Engine(EngineAPI):
     def load_params(self, *args, **kwargs) -> Any:
         return self._params
 
+    def update_draft(self, mtp: Any) -> None:
+        """New weights for the MTP module (a module or its ``nnx.state``, the structure and shapes the
+        engine was built with), used from the next call on. What the engine samples does not change,
+        only how many drafts survive; the draft KV the slots hold stays (made by the old weights)."""
+        if not self._draft_k:
+            raise ConfigError("update_draft: this engine does not decode speculatively")
+        state = nnx.state(mtp) if isinstance(mtp, nnx.Module) else mtp
+        old_leaves, old_def = jax.tree.flatten(self._mtp_state)
+        new_leaves, new_def = jax.tree.flatten(state)
+        if old_def != new_def or any(
+            a.shape != b.shape or a.dtype != b.dtype for a, b in zip(old_leaves, new_leaves)
+        ):
+            raise ConfigError("update_draft: the MTP weights differ in structure, shape or dtype")
+        with launch.serial_launch():  # a reshard onto the model's devices is a launch too
+            self._mtp_state = self._on_model_devices(state)
+
     def update_params(self, new_params: Any, version: int | None = None, *, copy: bool = False) -> int:
         """Swap in new weights (an nnx model or its ``nnx.state``) of identical structure and shapes.
 

@@ -183,11 +183,25 @@ class EngineSettings:
     max_prefill_length: int = 1024
     cache_dtype: str = "float32"
     speculative_tokens: int = 0
+    # After every RL step, this many AdamW steps fit the MTP module to the updated policy on that
+    # step's rollouts (train/mtp_fit.py's distillation), so the draft follows the policy (0: frozen).
+    draft_fit_steps: int = 0
+    draft_fit_learning_rate: float = 1e-3
+    draft_fit_batch_size: int = 8
 
     def __post_init__(self) -> None:
-        k = self.speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ConfigError(f"engine.speculative_tokens must be an integer >= 0, got {k!r}")
+        for name, low in (("speculative_tokens", 0), ("draft_fit_steps", 0), ("draft_fit_batch_size", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ConfigError(f"engine.{name} must be an integer >= {low}, got {v!r}")
+        if not self.draft_fit_learning_rate > 0:
+            raise ConfigError(
+                f"engine.draft_fit_learning_rate must be > 0, got {self.draft_fit_learning_rate!r}"
+            )
+        if self.draft_fit_steps and not self.speculative_tokens:
+            raise ConfigError(
+                "engine.draft_fit_steps fits the draft of speculative decoding: set engine.speculative_tokens"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ from tmax_jax.train.interrupts import Interrupts
 from tmax_jax.train.metrics import progress_bar
 from tmax_jax.train.producer import kill_sandboxes
 from tmax_jax.train.report import write_report
-from tmax_jax.train.run import Run, build_run, log
+from tmax_jax.train.run import Run, build_run, log, refit_draft
 from tmax_jax.train.setup import enable_compilation_cache
 
 _Interrupts = Interrupts  # the name tests and older callers use
@@ -121,6 +121,8 @@ def _rl(run: Run, interrupts: Interrupts) -> tuple[int, bool]:
                         trainer_wait_s=wait_s, rollout_s=batch.rollout_s, **producer.step_stats(batch.index)
                     )
                     unwritten = metrics
+                if run.draft_fitter is not None:
+                    metrics.update(refit_draft(run, batch))
                 if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
                     metrics["heldout_pass_rate"] = producer.pass_rate(run.heldout_tasks)["pass_rate"]
                 with interrupts.deferred():

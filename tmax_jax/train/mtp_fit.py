@@ -27,6 +27,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from tmax_jax import launch
 from tmax_jax.errors import ConfigError
 from tmax_jax.rl.logprobs import head_logits
 
@@ -69,6 +70,76 @@ def mtp_distill_loss(
     return jnp.sum(jnp.where(valid_BxT, kl_BxT, 0.0)) / jnp.maximum(count, 1), count
 
 
+def _check_settings(who: str, **ints) -> None:
+    for name, v in ints.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{who}: {name} must be a positive integer, got {v!r}")
+
+
+class DraftFitter:
+    """Keeps an MTP module fitted to a policy that changes: one compiled AdamW step on
+    ``batch_size`` rows of ``seq_len`` tokens (rows are cut or padded to it, so new data never
+    recompiles), its optimiser state carried from call to call. ``fit(model, rows, steps)`` trains
+    towards the policy ``model`` given then (its weights are arguments of the step, not constants);
+    ``module()`` is the fitted module."""
+
+    def __init__(
+        self, model: Any, mtp: Any, *, learning_rate: float, batch_size: int, seq_len: int, seed: int = 0
+    ):
+        _check_settings("DraftFitter", batch_size=batch_size, seq_len=seq_len)
+        if not learning_rate > 0:
+            raise ConfigError(f"DraftFitter: learning_rate must be > 0, got {learning_rate!r}")
+        if mtp.config.hidden_size != model.config.hidden_size:
+            raise ConfigError(
+                f"DraftFitter: the MTP module's hidden size {mtp.config.hidden_size} != the model's "
+                f"{model.config.hidden_size}"
+            )
+        self.batch_size, self.seq_len = batch_size, seq_len
+        self._model_def = nnx.graphdef(model)
+        self._mtp_def, self.params, self._rest = nnx.split(mtp, nnx.Param, ...)
+        opt = optax.adamw(learning_rate, weight_decay=0.0)
+        self._opt_state = opt.init(self.params)
+        self._rng = np.random.default_rng(seed)
+        mtp_def, rest, model_def = self._mtp_def, self._rest, self._model_def
+
+        def step(params, opt_state, model_state, ids, seg):
+            def loss_fn(p):
+                mtp = nnx.merge(mtp_def, p, rest)
+                return mtp_distill_loss(mtp, nnx.merge(model_def, model_state), ids, seg)[0]
+
+            loss, grads = jax.value_and_grad(loss_fn)(params)
+            updates, opt_state = opt.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        self._step = launch.jit(step)  # beside the engine's threads: through the launch queue
+
+    def fit(
+        self, model: Any, rows: Sequence[Sequence[int]], steps: int, log: Callable[[str], None] | None = None
+    ) -> list[float]:
+        """``steps`` steps on rows drawn at random from ``rows`` (those of at least 2 tokens); the
+        loss of each step, before its update."""
+        _check_settings("DraftFitter.fit", steps=steps)
+        rows = [list(r)[: self.seq_len] for r in rows]
+        rows = [r for r in rows if len(r) >= 2]
+        if not rows:
+            raise ConfigError("DraftFitter.fit: no row of at least 2 tokens")
+        ids, seg = pad_rows(rows, self.seq_len)
+        model_state = nnx.state(model)
+        losses = []
+        for i in range(steps):
+            pick = self._rng.choice(len(rows), size=self.batch_size, replace=len(rows) < self.batch_size)
+            self.params, self._opt_state, loss = self._step(
+                self.params, self._opt_state, model_state, ids[pick], seg[pick]
+            )
+            losses.append(float(loss))
+            if log is not None and (i == 0 or (i + 1) % max(1, steps // 10) == 0):
+                log(f"fit_mtp: step {i + 1}/{steps} loss {losses[-1]:.4f}")
+        return losses
+
+    def module(self) -> Any:
+        return nnx.merge(self._mtp_def, self.params, self._rest)
+
+
 def fit_mtp(
     model: Any,
     mtp: Any,
@@ -84,45 +155,18 @@ def fit_mtp(
     """Train ``mtp`` in place on ``rows`` (token lists of at least 2 tokens) for ``steps`` AdamW
     steps of ``batch_size`` rows drawn at random (``seed``), each cut to ``seq_len`` (default: the
     longest row). Returns the loss of every step (before its update)."""
-    for name, v in (("steps", steps), ("batch_size", batch_size)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"fit_mtp: {name} must be a positive integer, got {v!r}")
+    _check_settings("fit_mtp", steps=steps, batch_size=batch_size)
     if not learning_rate > 0:
         raise ConfigError(f"fit_mtp: learning_rate must be > 0, got {learning_rate!r}")
     rows = [list(r) for r in rows]
     if not rows or any(len(r) < 2 for r in rows):
         raise ConfigError("fit_mtp: rows must be a non-empty list of token lists of at least 2 tokens")
-    if mtp.config.hidden_size != model.config.hidden_size:
-        raise ConfigError(
-            f"fit_mtp: the MTP module's hidden size {mtp.config.hidden_size} != the model's "
-            f"{model.config.hidden_size}"
-        )
-    ids, seg = pad_rows(rows, seq_len or max(len(r) for r in rows))
-    model_def, model_state = nnx.split(model)
-    mtp_def, params, rest = nnx.split(mtp, nnx.Param, ...)
-    opt = optax.adamw(learning_rate, weight_decay=0.0)
-    opt_state = opt.init(params)
-
-    @jax.jit
-    def step(params, opt_state, model_state, ids, seg):
-        def loss_fn(p):
-            return mtp_distill_loss(nnx.merge(mtp_def, p, rest), nnx.merge(model_def, model_state), ids, seg)[
-                0
-            ]
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    rng = np.random.default_rng(seed)
-    losses = []
-    for i in range(steps):
-        pick = rng.choice(len(rows), size=batch_size, replace=len(rows) < batch_size)
-        params, opt_state, loss = step(params, opt_state, model_state, ids[pick], seg[pick])
-        losses.append(float(loss))
-        if log is not None and (i == 0 or (i + 1) % max(1, steps // 10) == 0):
-            log(f"fit_mtp: step {i + 1}/{steps} loss {losses[-1]:.4f}")
-    nnx.update(mtp, params)
+    fitter = DraftFitter(
+        model, mtp, learning_rate=learning_rate, batch_size=batch_size,
+        seq_len=seq_len or max(len(r) for r in rows), seed=seed,
+    )  # fmt: skip
+    losses = fitter.fit(model, rows, steps, log)
+    nnx.update(mtp, fitter.params)
     return losses
 
 

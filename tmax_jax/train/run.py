@@ -51,6 +51,7 @@ class Run:
     learner: Learner
     producer: Producer
     metrics: MetricsWriter
+    draft_fitter: Any = None  # engine.draft_fit_steps: keeps the MTP draft fitted to the policy
 
 
 def build_run(cfg: TrainConfig, *, progress: bool = True) -> Run:
@@ -125,6 +126,7 @@ def build_run(cfg: TrainConfig, *, progress: bool = True) -> Run:
         **draft,
     )
     learner.connect(engine)
+    fitter = draft_fitter(cfg, train_step, learner, draft.get("mtp"), nproc)
     records = [{"task_id": str(i), "instruction": t.instruction} for i, t in enumerate(train_tasks)]
     loader = PromptLoader(
         records, cfg.prompts_per_step // nproc, DataConfig(seed=cfg.seed), shard_index=pid, shard_count=nproc
@@ -161,6 +163,7 @@ def build_run(cfg: TrainConfig, *, progress: bool = True) -> Run:
         learner=learner,
         producer=producer,
         metrics=metrics,
+        draft_fitter=fitter,
     )
 
 
@@ -177,11 +180,48 @@ def _own_loader_state(saved: dict, run_dir: Path, pid: int, nproc: int) -> dict 
     return loaders[pid]
 
 
+def draft_fitter(cfg: TrainConfig, train_step: Any, learner: Learner, mtp: Any, nproc: int) -> Any:
+    """The ``DraftFitter`` of ``engine.draft_fit_steps`` (None when 0)."""
+    if not cfg.engine.draft_fit_steps:
+        return None
+    if nproc > 1:
+        raise ConfigError(
+            "engine.draft_fit_steps runs in one JAX process for now (each process's engine holds its "
+            "own copy of the draft)"
+        )
+    from flax import nnx
+
+    from tmax_jax.train.mtp_fit import DraftFitter
+
+    e = cfg.engine
+    policy = nnx.merge(train_step.graphdef, learner.state.params, train_step.rest)
+    return DraftFitter(
+        policy, mtp, learning_rate=e.draft_fit_learning_rate, batch_size=e.draft_fit_batch_size,
+        seq_len=cfg.seq_len, seed=cfg.seed,
+    )  # fmt: skip
+
+
+def refit_draft(run: Run, batch: Any) -> dict:
+    """Fit the draft to the policy the learner just made, on ``batch``'s rollouts, and give it to the
+    engine (what the engine samples does not change; how many drafts survive does). Metrics."""
+    from flax import nnx
+
+    t0 = time.monotonic()
+    step = run.learner.train_step
+    policy = nnx.merge(step.graphdef, run.learner.state.params, step.rest)
+    rows = [t.tokens for g in batch.groups for t in g.trajectories]
+    losses = run.draft_fitter.fit(policy, rows, run.cfg.engine.draft_fit_steps)
+    run.engine.update_draft(run.draft_fitter.module())
+    return {"speculative/draft_loss": losses[-1], "speculative/draft_fit_s": time.monotonic() - t0}
+
+
 def draft_settings(cfg: TrainConfig, init: Path, mesh: Any) -> dict:
     """The engine's speculative-decoding arguments for ``engine.speculative_tokens`` ({} when 0):
-    the MTP module of the policy's checkpoint, kept frozen while the policy trains. One process:
-    placed on the train mesh like the policy's weights; several: on the default device, and each
-    engine replicates it over its own copy's devices."""
+    the MTP module of the policy's checkpoint (frozen, or fitted after every step with
+    ``engine.draft_fit_steps``, which also starts a new one when the checkpoint has none). One
+    process: placed on the train mesh like the policy's weights; several: on the default device, and
+    each engine replicates it over its own copy's devices."""
+    from tmax_jax.checkpoints import load_mtp
     from tmax_jax.engine.api import speculative_settings
 
     k = cfg.engine.speculative_tokens
@@ -190,10 +230,22 @@ def draft_settings(cfg: TrainConfig, init: Path, mesh: Any) -> dict:
             f"engine.speculative_tokens={k} with rl.train_step.routing_replay: a speculative engine "
             "does not record the experts each token was routed to"
         )
-    return speculative_settings(
-        init, k, setting="engine.speculative_tokens", dtype=cfg.model.dtype,
-        param_dtype=cfg.model.param_dtype, mesh=mesh, rules=cfg.mesh.rules,
-    )  # fmt: skip
+    load = dict(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, mesh=mesh, rules=cfg.mesh.rules)
+    if k and cfg.engine.draft_fit_steps:
+        mtp = load_mtp(init, **load)
+        if mtp is None:
+            from flax import nnx
+
+            from tmax_jax.checkpoints import read_hf_config
+            from tmax_jax.models.qwen35.mtp import MultiTokenPredictor
+
+            log(f"{init} holds no MTP module: drafting with a new one, fitted after every step")
+            dt, pdt = jnp.dtype(cfg.model.dtype), jnp.dtype(cfg.model.param_dtype)
+            mtp = MultiTokenPredictor(
+                read_hf_config(init), 1, dtype=dt, param_dtype=pdt, rngs=nnx.Rngs(cfg.seed)
+            )
+        return {"mtp": mtp, "speculative_tokens": k}
+    return speculative_settings(init, k, setting="engine.speculative_tokens", **load)
 
 
 def warm_start(
