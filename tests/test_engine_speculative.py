@@ -170,10 +170,19 @@ def test_speculative_session_turns_continue_an_exact_cache(ckpt):
     with Orchestrator(eng) as orch:
         a = orch.submit(Request(prompt=prompt, max_tokens=9, sampling=sp, session_id="s")).result()
         turn2 = prompt + a.tokens + [7, 8, 9]
-        b = orch.submit(Request(prompt=turn2, max_tokens=8, sampling=sp, session_id="s")).result()
-        fresh = orch.submit(Request(prompt=turn2, max_tokens=8, sampling=sp)).result()
+        orch.take_decode_counts()
+        b = orch.submit(Request(prompt=turn2, max_tokens=24, sampling=sp, session_id="s")).result()
+        session_counts = orch.take_decode_counts()
+        fresh = orch.submit(Request(prompt=turn2, max_tokens=24, sampling=sp)).result()
+        fresh_counts = orch.take_decode_counts()
     assert b.cached_tokens == len(prompt) + len(a.tokens) - 1
     assert b.tokens == fresh.tokens
+    # The draft continues as well as after a fresh prefill (its KV past the live tokens once held
+    # NaN after a continuation, which killed every later draft of the slot).
+    assert session_counts == fresh_counts and fresh_counts[1] > fresh_counts[0], (
+        session_counts,
+        fresh_counts,
+    )
     np.testing.assert_allclose(b.logprobs, trainer_logprobs(model, turn2, b.tokens, 1.0), atol=3e-5)
 
 

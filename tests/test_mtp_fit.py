@@ -35,12 +35,14 @@ def test_distill_loss_matches_a_float64_reference(ckpt):
     token on: the teacher from the model's own forward, the KL and its mask in float64."""
     model, mtp = load_hf(ckpt), load_mtp(ckpt)
     rows = [[5, 9, 2, 7, 1, 3, 8], [4, 4, 200, 17], [11, 12]]
-    ids, seg = pad_rows(rows, 8)
+    masks = [[0, 0, 0, 1, 1, 0, 1], [0, 1, 1, 1], [1, 1]]  # 1: tokens the policy sampled
+    ids, seg, sampled = pad_rows(rows, 8, masks)
     loss, count = mtp_distill_loss(mtp, model, ids, seg)
+    loss_sampled, count_sampled = mtp_distill_loss(mtp, model, ids, seg, sampled)
     teacher = np.asarray(model(ids, segment_ids=seg))  # [B, T, V] logits
     h = model.hidden_states(ids, segment_ids=seg)
     head = np.asarray(model.lm_head_weight(), np.float64)
-    kls = []
+    kls, kls_sampled = [], []
     for b, row in enumerate(rows):
         nxt = np.zeros((1, 8), np.int32)  # position i reads t_{i+1} and predicts t_{i+2}
         nxt[0, : len(row) - 1] = row[1:]
@@ -49,8 +51,12 @@ def test_distill_loss_matches_a_float64_reference(ckpt):
             log_p = _log_softmax64(teacher[b, i + 1])
             log_q = _log_softmax64(np.asarray(out[0, i], np.float64) @ head)
             kls.append(float(np.sum(np.exp(log_p) * (log_p - log_q))))
+            if i + 2 < len(row) and masks[b][i + 2]:  # a draft is asked for sampled tokens only
+                kls_sampled.append(kls[-1])
     assert int(count) == len(kls) == 6 + 3 + 1
     np.testing.assert_allclose(float(loss), np.mean(kls), rtol=2e-4, atol=1e-7)
+    assert int(count_sampled) == len(kls_sampled) == 3 + 2
+    np.testing.assert_allclose(float(loss_sampled), np.mean(kls_sampled), rtol=2e-4, atol=1e-7)
 
 
 def _run(model, mtp, prompts, temperature, seed0):
@@ -88,7 +94,7 @@ def test_fit_settings_are_checked(ckpt):
     model, mtp = load_hf(ckpt), load_mtp(ckpt)
     with pytest.raises(ConfigError, match="steps"):
         fit_mtp(model, mtp, [[1, 2, 3]], steps=0)
-    with pytest.raises(ConfigError, match="at least 2 tokens"):
+    with pytest.raises(ConfigError, match="at least 3 tokens"):
         fit_mtp(model, mtp, [[1, 2, 3], [4]], steps=1)
     with pytest.raises(ConfigError, match="learning_rate"):
         fit_mtp(model, mtp, [[1, 2, 3]], steps=1, learning_rate=0.0)

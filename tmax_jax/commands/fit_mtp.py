@@ -133,11 +133,11 @@ def run(args: argparse.Namespace) -> int:
     )
     measure = dict(k=args.speculative_tokens, seed=args.seed + 7, **gen)
     before = draft_tokens_per_step(model, mtp, held, **measure) if held else 0.0
-    rows = sample_completions(model, train, samples=args.samples, seed=args.seed, **gen)
+    rows, masks = sample_completions(model, train, samples=args.samples, seed=args.seed, **gen)
     print(f"sampled {len(rows)} completions of {len(train)} prompts", flush=True)
     losses = fit_mtp(
         model, mtp, rows, steps=args.steps, learning_rate=args.learning_rate, batch_size=args.batch_size,
-        seed=args.seed, log=lambda m: print(m, flush=True),
+        seed=args.seed, log=lambda m: print(m, flush=True), masks=masks,
     )  # fmt: skip
     after = draft_tokens_per_step(model, mtp, held, **measure) if held else 0.0
     save_hf(model, out, tokenizer=ckpt, mtp=mtp)

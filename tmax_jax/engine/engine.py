@@ -592,6 +592,11 @@ class Engine(EngineAPI):
             j = jnp.arange(k1 + T)
             from_chunk = j[None] >= n_B[:, None]
             src = jnp.where(from_chunk, k1 + j[None] - n_B[:, None], j[None])  # index into [pending | chunk]
+            # The last k1 - n rows run past the end: they repeat the chunk's last row (not valid).
+            # Unclipped, the gather fills them with NaN, which the draft's attention writes into its
+            # KV past the live tokens, and a zero attention weight times NaN is NaN: every later
+            # draft of the slot is lost (the emitted tokens stay right; only drafts die).
+            src = jnp.minimum(src, k1 + T - 1)
             both_h = jnp.concatenate([dr["hidden"].astype(h_BxTxD.dtype), h_BxTxD], axis=1)
             both_ids = jnp.concatenate([ids, next_BxT], axis=1)
             both_valid = jnp.concatenate([jnp.arange(k1)[None] < n_B[:, None], valid_BxT], axis=1)

@@ -32,23 +32,31 @@ from tmax_jax.errors import ConfigError
 from tmax_jax.rl.logprobs import head_logits
 
 
-def pad_rows(rows: Sequence[Sequence[int]], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, segment ids) ``[len(rows), seq_len]``: each row left-aligned and cut to ``seq_len``,
-    segment id 1 on its tokens and 0 on the padding."""
+def pad_rows(
+    rows: Sequence[Sequence[int]], seq_len: int, masks: Sequence[Sequence[int]] | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids, segment ids, sampled) ``[len(rows), seq_len]``: each row left-aligned and cut to
+    ``seq_len``, segment id 1 on its tokens and 0 on the padding; ``sampled`` 1 on the tokens the
+    policy sampled (``masks``, a response mask per row; default: every token)."""
     ids = np.zeros((len(rows), seq_len), np.int32)
     seg = np.zeros((len(rows), seq_len), np.int32)
+    sampled = np.zeros((len(rows), seq_len), np.int32)
     for r, row in enumerate(rows):
         row = list(row)[:seq_len]
         ids[r, : len(row)] = row
         seg[r, : len(row)] = 1
-    return ids, seg
+        sampled[r, : len(row)] = 1 if masks is None else list(masks[r])[: len(row)]
+    return ids, seg, sampled
 
 
 def mtp_distill_loss(
-    mtp: Any, model: Any, ids_BxT: jax.Array, seg_BxT: jax.Array
+    mtp: Any, model: Any, ids_BxT: jax.Array, seg_BxT: jax.Array, sampled_BxT: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """(mean KL over the positions that have a next token, their count); see the module docstring.
-    ``seg_BxT``: segment ids as in the model's forward (0: padding), sequences packed or one per row."""
+    ``seg_BxT``: segment ids as in the model's forward (0: padding), sequences packed or one per row.
+    ``sampled_BxT`` (1 on the tokens the policy sampled): only positions whose target ``t_{i+2}``
+    the policy sampled count, the ones a draft is ever asked for (prompts and tool outputs are
+    prefilled, never drafted)."""
     B, T = ids_BxT.shape
     seg = seg_BxT.astype(jnp.int32)
     h_BxTxD = jax.lax.stop_gradient(model.hidden_states(ids_BxT, segment_ids=seg))
@@ -66,8 +74,13 @@ def mtp_distill_loss(
     log_p = jax.nn.log_softmax(teacher_BxTxV.astype(jnp.float32), axis=-1)
     log_q = jax.nn.log_softmax(student_BxTxV.astype(jnp.float32), axis=-1)
     kl_BxT = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
-    count = jnp.sum(valid_BxT)
-    return jnp.sum(jnp.where(valid_BxT, kl_BxT, 0.0)) / jnp.maximum(count, 1), count
+    counted_BxT = valid_BxT
+    if sampled_BxT is not None:  # t_{i+2} sampled by the policy (in the same sequence)
+        seg2 = jnp.concatenate([seg[:, 2:], jnp.zeros((B, 2), jnp.int32)], axis=1)
+        sampled2 = jnp.concatenate([sampled_BxT[:, 2:], jnp.zeros((B, 2), sampled_BxT.dtype)], axis=1)
+        counted_BxT = valid_BxT & (seg2 == seg) & (sampled2 > 0)
+    count = jnp.sum(counted_BxT)
+    return jnp.sum(jnp.where(counted_BxT, kl_BxT, 0.0)) / jnp.maximum(count, 1), count
 
 
 def _check_settings(who: str, **ints) -> None:
@@ -102,10 +115,10 @@ class DraftFitter:
         self._rng = np.random.default_rng(seed)
         mtp_def, rest, model_def = self._mtp_def, self._rest, self._model_def
 
-        def step(params, opt_state, model_state, ids, seg):
+        def step(params, opt_state, model_state, ids, seg, sampled):
             def loss_fn(p):
                 mtp = nnx.merge(mtp_def, p, rest)
-                return mtp_distill_loss(mtp, nnx.merge(model_def, model_state), ids, seg)[0]
+                return mtp_distill_loss(mtp, nnx.merge(model_def, model_state), ids, seg, sampled)[0]
 
             loss, grads = jax.value_and_grad(loss_fn)(params)
             updates, opt_state = opt.update(grads, opt_state, params)
@@ -114,22 +127,31 @@ class DraftFitter:
         self._step = launch.jit(step)  # beside the engine's threads: through the launch queue
 
     def fit(
-        self, model: Any, rows: Sequence[Sequence[int]], steps: int, log: Callable[[str], None] | None = None
+        self,
+        model: Any,
+        rows: Sequence[Sequence[int]],
+        steps: int,
+        log: Callable[[str], None] | None = None,
+        masks: Sequence[Sequence[int]] | None = None,
     ) -> list[float]:
-        """``steps`` steps on rows drawn at random from ``rows`` (those of at least 2 tokens); the
-        loss of each step, before its update."""
+        """``steps`` steps on rows drawn at random from ``rows`` (those of at least 3 tokens), with
+        ``masks`` (1 on the tokens the policy sampled) the loss on those only; the loss of each
+        step, before its update."""
         _check_settings("DraftFitter.fit", steps=steps)
-        rows = [list(r)[: self.seq_len] for r in rows]
-        rows = [r for r in rows if len(r) >= 2]
-        if not rows:
-            raise ConfigError("DraftFitter.fit: no row of at least 2 tokens")
-        ids, seg = pad_rows(rows, self.seq_len)
+        if masks is not None and len(masks) != len(rows):
+            raise ConfigError(f"DraftFitter.fit: {len(masks)} masks for {len(rows)} rows")
+        keep = [i for i, r in enumerate(rows) if min(len(r), self.seq_len) >= 3]
+        if not keep:
+            raise ConfigError("DraftFitter.fit: no row of at least 3 tokens")
+        ids, seg, sampled = pad_rows(
+            [rows[i] for i in keep], self.seq_len, None if masks is None else [masks[i] for i in keep]
+        )
         model_state = nnx.state(model)
         losses = []
         for i in range(steps):
-            pick = self._rng.choice(len(rows), size=self.batch_size, replace=len(rows) < self.batch_size)
+            pick = self._rng.choice(len(keep), size=self.batch_size, replace=len(keep) < self.batch_size)
             self.params, self._opt_state, loss = self._step(
-                self.params, self._opt_state, model_state, ids[pick], seg[pick]
+                self.params, self._opt_state, model_state, ids[pick], seg[pick], sampled[pick]
             )
             losses.append(float(loss))
             if log is not None and (i == 0 or (i + 1) % max(1, steps // 10) == 0):
@@ -151,21 +173,23 @@ def fit_mtp(
     seq_len: int | None = None,
     seed: int = 0,
     log: Callable[[str], None] | None = None,
+    masks: Sequence[Sequence[int]] | None = None,
 ) -> list[float]:
-    """Train ``mtp`` in place on ``rows`` (token lists of at least 2 tokens) for ``steps`` AdamW
+    """Train ``mtp`` in place on ``rows`` (token lists of at least 3 tokens) for ``steps`` AdamW
     steps of ``batch_size`` rows drawn at random (``seed``), each cut to ``seq_len`` (default: the
-    longest row). Returns the loss of every step (before its update)."""
+    longest row); ``masks``: the loss on the tokens the policy sampled only (``mtp_distill_loss``).
+    Returns the loss of every step (before its update)."""
     _check_settings("fit_mtp", steps=steps, batch_size=batch_size)
     if not learning_rate > 0:
         raise ConfigError(f"fit_mtp: learning_rate must be > 0, got {learning_rate!r}")
     rows = [list(r) for r in rows]
-    if not rows or any(len(r) < 2 for r in rows):
-        raise ConfigError("fit_mtp: rows must be a non-empty list of token lists of at least 2 tokens")
+    if not rows or any(len(r) < 3 for r in rows):
+        raise ConfigError("fit_mtp: rows must be a non-empty list of token lists of at least 3 tokens")
     fitter = DraftFitter(
         model, mtp, learning_rate=learning_rate, batch_size=batch_size,
         seq_len=seq_len or max(len(r) for r in rows), seed=seed,
     )  # fmt: skip
-    losses = fitter.fit(model, rows, steps, log)
+    losses = fitter.fit(model, rows, steps, log, masks)
     nnx.update(mtp, fitter.params)
     return losses
 
@@ -189,9 +213,10 @@ def sample_completions(
     seed: int = 0,
     slots: int = 16,
     eos_token_ids: Sequence[int] = (),
-) -> list[list[int]]:
+) -> tuple[list[list[int]], list[list[int]]]:
     """``samples`` completions of every prompt by the policy (prompt ``i``'s ``j``-th sample
-    seeded ``(seed, i, j)``), each returned as prompt + completion: the rows ``fit_mtp`` trains on."""
+    seeded ``(seed, i, j)``): (rows, masks), each row prompt + completion and its mask 1 on the
+    completion: what ``fit_mtp`` trains on."""
     from tmax_jax.engine import Engine, Orchestrator, Request, SamplingParams
 
     engine = Engine(model, eos_token_ids=eos_token_ids, **_engine_kw(prompts, max_new_tokens, slots, 0))
@@ -206,7 +231,8 @@ def sample_completions(
     ]
     with Orchestrator(engine) as orch:
         outs = orch.generate(reqs)
-    return [list(r.prompt) + list(o.tokens) for r, o in zip(reqs, outs)]
+    rows = [list(r.prompt) + list(o.tokens) for r, o in zip(reqs, outs)]
+    return rows, [[0] * len(r.prompt) + [1] * len(o.tokens) for r, o in zip(reqs, outs)]
 
 
 def draft_tokens_per_step(

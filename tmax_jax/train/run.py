@@ -209,8 +209,9 @@ def refit_draft(run: Run, batch: Any) -> dict:
     t0 = time.monotonic()
     step = run.learner.train_step
     policy = nnx.merge(step.graphdef, run.learner.state.params, step.rest)
-    rows = [t.tokens for g in batch.groups for t in g.trajectories]
-    losses = run.draft_fitter.fit(policy, rows, run.cfg.engine.draft_fit_steps)
+    trajs = [t for g in batch.groups for t in g.trajectories]
+    rows, masks = [t.tokens for t in trajs], [t.response_mask for t in trajs]
+    losses = run.draft_fitter.fit(policy, rows, run.cfg.engine.draft_fit_steps, masks=masks)
     run.engine.update_draft(run.draft_fitter.module())
     return {"speculative/draft_loss": losses[-1], "speculative/draft_fit_s": time.monotonic() - t0}
 
