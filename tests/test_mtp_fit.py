@@ -71,19 +71,25 @@ def _run(model, mtp, prompts, temperature, seed0):
     return [o.tokens for o in outs], tokens / slot_steps
 
 
+def _self_samples(model, seed: int):
+    """(64 rows of 6 random prompt tokens + 32 the policy sampled at T=1, 8 test prompts, the plain
+    engine's greedy tokens for them)."""
+    rng = np.random.default_rng(seed)
+    train = [[int(t) for t in rng.integers(0, 256, 6)] for _ in range(64)]
+    samples, _ = _run(model, None, train, 1.0, 0)
+    test = [[int(t) for t in rng.integers(0, 256, 6)] for _ in range(8)]
+    plain, _ = _run(model, None, test, 0.0, 100)
+    return [p + s for p, s in zip(train, samples)], test, plain
+
+
 def test_fitted_module_keeps_more_drafts_and_the_same_tokens(ckpt):
     """The checkpoint's random module almost never guesses the greedy token; fitted on the policy's
     own samples it does most of the time (tokens per model step well above 1), and the engine still
     emits the plain engine's tokens."""
     model, mtp = load_hf(ckpt), load_mtp(ckpt)
-    rng = np.random.default_rng(0)
-    train = [[int(t) for t in rng.integers(0, 256, 6)] for _ in range(64)]
-    samples, _ = _run(model, None, train, 1.0, 0)
-    test = [[int(t) for t in rng.integers(0, 256, 6)] for _ in range(8)]
-    plain, _ = _run(model, None, test, 0.0, 100)
+    rows, test, plain = _self_samples(model, seed=0)
     before, per_step_before = _run(model, mtp, test, 0.0, 100)
-    losses = fit_mtp(model, mtp, [p + s for p, s in zip(train, samples)], steps=300, learning_rate=3e-3,
-                     batch_size=16)  # fmt: skip
+    losses = fit_mtp(model, mtp, rows, steps=300, learning_rate=3e-3, batch_size=16)
     after, per_step_after = _run(model, mtp, test, 0.0, 100)
     assert before == plain and after == plain
     assert np.mean(losses[-10:]) < np.mean(losses[:10]) / 4
@@ -153,11 +159,7 @@ def test_draft_fitter_swaps_into_a_running_engine(ckpt):
     from tmax_jax.train.mtp_fit import DraftFitter
 
     model, mtp = load_hf(ckpt), load_mtp(ckpt)
-    rng = np.random.default_rng(1)
-    train = [[int(t) for t in rng.integers(0, 256, 6)] for _ in range(64)]
-    samples, _ = _run(model, None, train, 1.0, 0)
-    test = [[int(t) for t in rng.integers(0, 256, 6)] for _ in range(8)]
-    plain, _ = _run(model, None, test, 0.0, 100)
+    rows, test, plain = _self_samples(model, seed=1)
     engine = Engine(model, mtp=mtp, speculative_tokens=3, **KW)
     fitter = DraftFitter(model, mtp, learning_rate=3e-3, batch_size=16, seq_len=24)
     reqs = [Request(prompt=p, max_tokens=32, sampling=SamplingParams(temperature=0.0)) for p in test]
@@ -168,8 +170,7 @@ def test_draft_fitter_swaps_into_a_running_engine(ckpt):
             slot_steps, tokens = orch.take_decode_counts()
             per_step.append(tokens / slot_steps)
             assert [o.tokens for o in outs] == plain
-            rows = [p + s for p, s in zip(train, samples)]  # 38 tokens: cut to 24
-            fitter.fit(model, rows, 150)
+            fitter.fit(model, rows, 150)  # rows of 38 tokens, cut to 24
             engine.update_draft(fitter.module())
         outs = orch.generate(reqs)
         slot_steps, tokens = orch.take_decode_counts()
