@@ -133,23 +133,26 @@ def load_hf(
     abstract = nnx.eval_shape(
         lambda: Qwen35ForCausalLM(cfg, dtype=compute_dtype, param_dtype=pdtype, rngs=nnx.Rngs(0), remat=remat)
     )
+    return _filled(abstract, params, _tensor_reader(files, assembled), cfg, pdtype, mesh, rules)
+
+
+def _filled(abstract, params, read, cfg: Qwen35Config, pdtype, mesh, rules):
+    """``abstract`` (an ``nnx.eval_shape`` module) with every parameter of ``params`` read from the
+    checkpoint, one at a time: on the default device, or with ``mesh`` sharded by the parameter's
+    logical axis names through ``rules``."""
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
-    read = _tensor_reader(files, assembled)
     for p in params:
         var = flat[p.path]
-        var.set_value(_place(var, _read_param(p, var.shape, read, cfg, pdtype), mesh, rules))
+        value = _read_param(p, var.shape, read, cfg, pdtype)
+        if mesh is None:
+            var.set_value(jax.device_put(value))
+        else:
+            spec = logical_to_spec(var.get_metadata().get("out_sharding"), rules)
+            sharding = jax.sharding.NamedSharding(mesh, spec)
+            var.set_value(jax.make_array_from_callback(value.shape, sharding, lambda idx, v=value: v[idx]))
+        del value
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
-
-
-def _place(var, value: np.ndarray, mesh, rules) -> jax.Array:
-    """``value`` on the default device, or with ``mesh`` sharded by ``var``'s logical axis names."""
-    if mesh is None:
-        return jax.device_put(value)
-    sharding = jax.sharding.NamedSharding(
-        mesh, logical_to_spec(var.get_metadata().get("out_sharding"), rules)
-    )
-    return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
 
 
 def load_mtp(
@@ -187,13 +190,7 @@ def load_mtp(
             cfg, len(ids), dtype=jnp.dtype(dtype), param_dtype=pdtype, rngs=nnx.Rngs(0)
         )
     )
-    graphdef, state = nnx.split(abstract)
-    flat = dict(nnx.to_flat_state(state))
-    read = _tensor_reader(files, assembled)
-    for p in params:
-        var = flat[p.path]
-        var.set_value(_place(var, _read_param(p, var.shape, read, cfg, pdtype), mesh, rules))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    return _filled(abstract, params, _tensor_reader(files, assembled), cfg, pdtype, mesh, rules)
 
 
 def _with_assembled(cfg: Qwen35Config, expected: set[str], available: set[str]):
