@@ -71,7 +71,7 @@ class Learner:
         if self.replicas is None:
             # The engine copies them itself, in one program (its split into periods is the copy):
             # no full copy of ours alive beside it. Waited for: the next step donates these buffers.
-            state = nnx.state(nnx.merge(self.train_step.graphdef, self.state.params, self.train_step.rest))
+            state = nnx.state(self.train_step.model(self.state))
             self.engine.update_params(state, version=version, copy=True)
             jax.block_until_ready(self.engine.params)
         else:  # each process's full copy (a collective), already buffers of its own

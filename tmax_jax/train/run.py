@@ -126,7 +126,7 @@ def build_run(cfg: TrainConfig, *, progress: bool = True) -> Run:
         **draft,
     )
     learner.connect(engine)
-    fitter = draft_fitter(cfg, train_step, learner, draft.get("mtp"), nproc)
+    fitter = draft_fitter(cfg, learner, draft.get("mtp"), nproc)
     records = [{"task_id": str(i), "instruction": t.instruction} for i, t in enumerate(train_tasks)]
     loader = PromptLoader(
         records, cfg.prompts_per_step // nproc, DataConfig(seed=cfg.seed), shard_index=pid, shard_count=nproc
@@ -180,7 +180,7 @@ def _own_loader_state(saved: dict, run_dir: Path, pid: int, nproc: int) -> dict 
     return loaders[pid]
 
 
-def draft_fitter(cfg: TrainConfig, train_step: Any, learner: Learner, mtp: Any, nproc: int) -> Any:
+def draft_fitter(cfg: TrainConfig, learner: Learner, mtp: Any, nproc: int) -> Any:
     """The ``DraftFitter`` of ``engine.draft_fit_steps`` (None when 0)."""
     if not cfg.engine.draft_fit_steps:
         return None
@@ -189,26 +189,20 @@ def draft_fitter(cfg: TrainConfig, train_step: Any, learner: Learner, mtp: Any, 
             "engine.draft_fit_steps runs in one JAX process for now (each process's engine holds its "
             "own copy of the draft)"
         )
-    from flax import nnx
-
     from tmax_jax.train.mtp_fit import DraftFitter
 
     e = cfg.engine
-    policy = nnx.merge(train_step.graphdef, learner.state.params, train_step.rest)
     return DraftFitter(
-        policy, mtp, learning_rate=e.draft_fit_learning_rate, batch_size=e.draft_fit_batch_size,
-        seq_len=cfg.seq_len, seed=cfg.seed,
+        learner.train_step.model(learner.state), mtp, learning_rate=e.draft_fit_learning_rate,
+        batch_size=e.draft_fit_batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
     )  # fmt: skip
 
 
 def refit_draft(run: Run, batch: Any) -> dict:
     """Fit the draft to the policy the learner just made, on ``batch``'s rollouts, and give it to the
     engine (what the engine samples does not change; how many drafts survive does). Metrics."""
-    from flax import nnx
-
     t0 = time.monotonic()
-    step = run.learner.train_step
-    policy = nnx.merge(step.graphdef, run.learner.state.params, step.rest)
+    policy = run.learner.train_step.model(run.learner.state)
     trajs = [t for g in batch.groups for t in g.trajectories]
     rows, masks = [t.tokens for t in trajs], [t.response_mask for t in trajs]
     losses = run.draft_fitter.fit(policy, rows, run.cfg.engine.draft_fit_steps, masks=masks)
