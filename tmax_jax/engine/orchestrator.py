@@ -212,8 +212,8 @@ class Orchestrator:
         # tokens they emitted (a speculative step emits 1 to tokens_per_step per slot).
         self._counts_lock = threading.Lock()
         self._slot_steps = self._decode_tokens = 0
-        self._per_step = 1.0  # tokens a slot got per step so far (sizes a speculative engine's blocks)
-        self._lifetime = [0, 0]
+        # The same since the start: tokens per step so far sizes a speculative engine's blocks.
+        self._all_slot_steps = self._all_tokens = 0
         self._prefilling = 0
         self._error: BaseException | None = None
         self._threads = [
@@ -525,7 +525,8 @@ class Orchestrator:
         if any(s.handle.request.stop and s.handle.request.session_id is not None for s in live):
             return 1
         remaining = max(s.handle.request.max_tokens - len(s.handle.tokens) for s in live)
-        steps = int(np.ceil(max(remaining, 1) / self._per_step))
+        per_step = max(1.0, self._all_tokens / max(self._all_slot_steps, 1))
+        steps = int(np.ceil(max(remaining, 1) / per_step))
         return max(1, min(eng.decode_steps, _next_pow2(max(steps, 1))))
 
     def _generate_loop(self) -> None:
@@ -559,12 +560,12 @@ class Orchestrator:
                 eng, "tokens_per_step", 1
             )  # a speculative step emits 1 to per_step tokens a slot
             rows = np.asarray(valid[: steps * per_step]).reshape(steps, per_step, -1)
+            slot_steps, emitted = int(rows[:, 0].sum()), int(rows.sum())
+            self._all_slot_steps += slot_steps
+            self._all_tokens += emitted
             with self._counts_lock:
-                self._slot_steps += int(rows[:, 0].sum())
-                self._decode_tokens += int(rows.sum())
-            self._lifetime[0] += int(rows[:, 0].sum())
-            self._lifetime[1] += int(rows.sum())
-            self._per_step = max(1.0, self._lifetime[1] / max(self._lifetime[0], 1))
+                self._slot_steps += slot_steps
+                self._decode_tokens += emitted
             for j in range(steps * per_step):
                 if all(s is None for s in self._slots):
                     break
