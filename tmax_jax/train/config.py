@@ -174,9 +174,10 @@ class CurriculumConfig:
 @dataclasses.dataclass(frozen=True)
 class EngineSettings:
     """The rollout engine. ``speculative_tokens`` > 0 drafts that many tokens per decode step with
-    the checkpoint's multi-token-prediction module (its ``mtp.*`` tensors, kept frozen while the
-    policy trains) and verifies them in one pass: the sampled tokens and logprobs stay the policy's
-    own, only the number of model passes changes (README, "Speculative decoding")."""
+    the checkpoint's multi-token-prediction module (its ``mtp.*`` tensors; frozen while the policy
+    trains unless ``draft_fit_steps`` refits it) and verifies them in one pass: the sampled tokens
+    and logprobs stay the policy's own, only the number of model passes changes (README,
+    "Speculative decoding")."""
 
     slots: int = 32  # decode slots (episodes generating at once)
     max_cache_length: int = 4096

@@ -135,7 +135,7 @@ class Producer:
         k = getattr(self.engine, "tokens_per_step", 1) - 1
         if k and self.orch is not None:
             # Speculative decoding: tokens per model step and slot (1 to k + 1), and the fraction of
-            # drafted tokens kept. The MTP module stays as loaded while the policy trains.
+            # drafted tokens kept (they fall as the policy drifts from a frozen draft).
             slot_steps, tokens = self.orch.take_decode_counts()
             if slot_steps:
                 out["speculative/tokens_per_step"] = tokens / slot_steps

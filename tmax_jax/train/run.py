@@ -80,7 +80,7 @@ def build_run(cfg: TrainConfig, *, progress: bool = True) -> Run:
     mesh = make_mesh(cfg.mesh)
     progress = progress and is_primary()
 
-    # From the checkpoint itself: SFT's export (warm_start) carries no mtp.* tensors.
+    # From the checkpoint RL starts from, before any SFT (whose export carries the module through).
     draft = draft_settings(cfg, init, mesh if nproc == 1 else None)
     init = warm_start(cfg, init, train_tasks, chat, mesh, progress=progress)
     model = load_hf(
