@@ -181,3 +181,47 @@ def test_draft_fitter_swaps_into_a_running_engine(ckpt):
         engine.update_draft(MultiTokenPredictor(model.config, 2, rngs=nnx.Rngs(0)))
     with pytest.raises(ConfigError, match="does not decode speculatively"):
         Engine(model, **KW).update_draft(mtp)
+
+
+def test_draft_fitter_state_goes_through_a_train_checkpoint(ckpt, tmp_path):
+    """A run that fits its draft saves the fitter's state (module and AdamW state) with each train
+    checkpoint: restored into a new fitter it is bit for bit the saved one, and fitting on from it
+    with a step's seed gives exactly what the uninterrupted fitter gives. A step saved without one
+    restores None; a fitter of another module refuses it by name."""
+    import jax
+
+    from tmax_jax.errors import CheckpointError
+    from tmax_jax.models.qwen35.mtp import MultiTokenPredictor
+    from tmax_jax.rl.state import TrainCheckpointer
+    from tmax_jax.train.mtp_fit import DraftFitter
+
+    model = load_hf(ckpt)
+    rows, _, _ = _self_samples(model, seed=2)
+    kw = dict(learning_rate=3e-3, batch_size=4, seq_len=24)
+    first = DraftFitter(model, load_mtp(ckpt), **kw)
+    first.fit(model, rows, 5, seed=(0, 1))
+    saved = jax.tree.map(np.asarray, first.state())
+    ck = TrainCheckpointer(tmp_path / "ck", async_save=False)
+    ck.save(1, {"w": np.zeros(2, np.float32)}, {"version": 1}, force=True, draft=first.state())
+    ck.save(2, {"w": np.zeros(2, np.float32)}, {"version": 2}, force=True)
+
+    second = DraftFitter(model, load_mtp(ckpt), **kw)  # the checkpoint's module: not the fitted one
+    assert not all(
+        np.array_equal(a, b) for a, b in zip(jax.tree.leaves(second.state()), jax.tree.leaves(saved))
+    )
+    second.load_state(ck.restore_draft(1, second.abstract_state()))
+    for a, b in zip(jax.tree.leaves(second.state()), jax.tree.leaves(saved)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    first.fit(model, rows, 3, seed=(0, 2))
+    second.fit(model, rows, 3, seed=(0, 2))
+    for a, b in zip(jax.tree.leaves(first.state()), jax.tree.leaves(second.state())):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    assert ck.has_draft(1) and not ck.has_draft(2)
+    assert ck.restore_draft(2, second.abstract_state()) is None
+    other = DraftFitter(model, MultiTokenPredictor(model.config, 2, rngs=nnx.Rngs(0)), **kw)
+    with pytest.raises(CheckpointError, match="step 1 .* does not match this run's draft module"):
+        ck.restore_draft(1, other.abstract_state())
+    with pytest.raises(ConfigError, match=r"DraftFitter.load_state: an array .* where the fitter holds"):
+        other.load_state(first.state())
+    ck.close()

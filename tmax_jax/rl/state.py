@@ -1,4 +1,5 @@
-"""Orbax checkpoints of the train state: params, AdamW state, step, RNG and the data-iterator state.
+"""Orbax checkpoints of the train state: params, AdamW state, step, RNG and the data-iterator state,
+and, in runs that fit speculative decoding's draft as they train, the draft's own state.
 
 Saves run asynchronously every ``save_every`` steps and keep the newest ``keep``. A restore walks the
 steps newest first; a checkpoint that fails to read (truncated file, missing array, bad metadata) is
@@ -34,24 +35,37 @@ class TrainCheckpointer:
             enable_async_checkpointing=async_save,
             create=True,
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
+        # Handlers named up front: a fresh process can then read an item it has not written (draft).
+        handlers = dict(
+            state=ocp.StandardCheckpointHandler(),
+            data=ocp.JsonCheckpointHandler(),
+            draft=ocp.StandardCheckpointHandler(),
+        )
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
     def save(
-        self, step: int, state, data_state: dict[str, Any] | None = None, *, force: bool = False
+        self,
+        step: int,
+        state,
+        data_state: dict[str, Any] | None = None,
+        *,
+        force: bool = False,
+        draft: Any = None,
     ) -> bool:
         """Start saving ``state`` as ``step`` when the interval says so (or ``force``); returns whether it did.
 
-        ``data_state`` must be JSON-serialisable (e.g. a grain iterator's ``get_state()``).
+        ``data_state`` must be JSON-serialisable (e.g. a grain iterator's ``get_state()``). ``draft``:
+        a pytree of arrays saved beside the state as the step's ``draft`` item (``restore_draft``).
         """
         if not force and int(step) % self.save_every:
             return False
-        args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(dict(data_state or {}))
-        )
-        return self.manager.save(int(step), args=args, force=force)
+        items = dict(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(dict(data_state or {})))
+        if draft is not None:
+            items["draft"] = ocp.args.StandardSave(draft)
+        return self.manager.save(int(step), args=ocp.args.Composite(**items), force=force)
 
     def wait(self) -> None:
         """Block until pending asynchronous saves are on disk."""
@@ -66,6 +80,35 @@ class TrainCheckpointer:
         except Exception as e:  # orbax / tensorstore raise many kinds for damaged files
             raise CheckpointError(f"checkpoint step {step} in {self.directory} is unreadable: {e}") from e
         return state, dict(out["data"] or {})
+
+    def has_draft(self, step: int) -> bool:
+        """Whether checkpoint ``step`` holds a ``draft`` item."""
+        self.wait()
+        return (self.directory / str(int(step)) / "draft").is_dir()
+
+    def restore_draft(self, step: int, abstract_draft) -> Any:
+        """Step ``step``'s ``draft`` item in ``abstract_draft``'s structure, shapes and shardings, or
+        None when the step has none (a run that started fitting its draft after that step)."""
+        if not self.has_draft(step):
+            return None
+        # Arrays of other shapes (another draft module) are named here, before orbax fails on them.
+        saved = sorted(
+            (tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(self.manager.item_metadata(step)["draft"])
+        )
+        want = sorted((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(abstract_draft))
+        if saved != want:
+            raise CheckpointError(
+                f"the draft saved with checkpoint step {step} in {self.directory} does not match this "
+                f"run's draft module: {len(saved)} arrays saved, {len(want)} expected, shapes "
+                f"{sorted(set(saved) ^ set(want))[:4]} in one but not the other"
+            )
+        args = ocp.args.Composite(draft=ocp.args.StandardRestore(abstract_draft))
+        try:
+            return jax.block_until_ready(self.manager.restore(int(step), args=args)["draft"])
+        except Exception as e:  # a damaged item, or one of another structure (a different draft)
+            raise CheckpointError(
+                f"the draft saved with checkpoint step {step} in {self.directory} is unreadable: {e}"
+            ) from e
 
     def restore_latest(self, abstract_state) -> tuple[int, Any, dict] | None:
         """``(step, state, data_state)`` from the newest readable checkpoint, or None when there is none."""

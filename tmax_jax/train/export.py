@@ -39,12 +39,33 @@ def export_step(run_dir: str | Path, step: int | None, out_dir: str | Path) -> t
         if step not in steps:
             raise CheckpointError(f"{run_dir} has no checkpoint for step {step} (have: {steps})")
         state, _ = ckpt.restore(step, step_fn.abstract_state())
+        policy = step_fn.model(state)
+        # The checkpoint's MTP module (speculative decoding's draft) goes along: RL does not train it.
+        # An SFT directory written before SFT kept it leaves it in model.checkpoint.
+        mtp = load_mtp(init)
+        if mtp is None and cfg.model.checkpoint and init != Path(cfg.model.checkpoint):
+            mtp = load_mtp(cfg.model.checkpoint)
+        # A run with engine.draft_fit_steps saved the draft it fitted to this step's policy: that one.
+        if ckpt.has_draft(step):
+            mtp = _fitted_draft(cfg, ckpt, step, policy, mtp, init)
     finally:
         ckpt.close()
-    # The checkpoint's MTP module (speculative decoding's draft) goes along unchanged: RL does not
-    # train it. An SFT directory written before SFT kept it leaves it in model.checkpoint.
-    mtp = load_mtp(init)
-    if mtp is None and cfg.model.checkpoint and init != Path(cfg.model.checkpoint):
-        mtp = load_mtp(cfg.model.checkpoint)
-    out = save_hf(step_fn.model(state), out_dir, tokenizer=init, mtp=mtp)
+    out = save_hf(policy, out_dir, tokenizer=init, mtp=mtp)
     return step, out
+
+
+def _fitted_draft(cfg: TrainConfig, ckpt, step: int, policy, mtp, init: Path):
+    """The MTP module checkpointed with ``step`` (in the structure of ``mtp``, or of a new module
+    like the one the run started from when the checkpoints hold none)."""
+    from tmax_jax.train.mtp_fit import DraftFitter
+    from tmax_jax.train.run import new_draft
+
+    if mtp is None:
+        mtp = new_draft(cfg, init)
+    e = cfg.engine
+    fitter = DraftFitter(
+        policy, mtp, learning_rate=e.draft_fit_learning_rate, batch_size=e.draft_fit_batch_size,
+        seq_len=cfg.seq_len,
+    )  # fmt: skip
+    fitter.load_state(ckpt.restore_draft(step, fitter.abstract_state()))
+    return fitter.module()

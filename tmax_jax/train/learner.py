@@ -44,6 +44,7 @@ class Learner:
         self.start_step, self.run_dir, self.replicas = start_step, Path(run_dir), replicas
         self.pid, self.nproc = pid, nproc
         self.engine = None
+        self.draft_fitter = None  # engine.draft_fit_steps: its state is checkpointed with the step's
 
     # ------------------------------------------------------------------ the engine's weights
     def engine_params(self, *, as_state: bool = True):
@@ -182,7 +183,8 @@ class Learner:
         if not force and step % self.cfg.save_every:
             return
         loaders = allgather_json(loader_state)  # same decision on every process: all enter it
-        self.ckpt.save(step, self.state, {"loaders": loaders, "version": step}, force=True)
+        draft = None if self.draft_fitter is None else self.draft_fitter.state()
+        self.ckpt.save(step, self.state, {"loaders": loaders, "version": step}, force=True, draft=draft)
 
     def saved(self, step: int) -> bool:
         return step in self.ckpt.steps()

@@ -122,7 +122,7 @@ def _rl(run: Run, interrupts: Interrupts) -> tuple[int, bool]:
                     )
                     unwritten = metrics
                 if run.draft_fitter is not None:
-                    metrics.update(refit_draft(run, batch))
+                    metrics.update(refit_draft(run, batch, step))
                 if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
                     metrics["heldout_pass_rate"] = producer.pass_rate(run.heldout_tasks)["pass_rate"]
                 with interrupts.deferred():

@@ -133,10 +133,12 @@ class DraftFitter:
         steps: int,
         log: Callable[[str], None] | None = None,
         masks: Sequence[Sequence[int]] | None = None,
+        seed: Any = None,
     ) -> list[float]:
         """``steps`` steps on rows drawn at random from ``rows`` (those of at least 3 tokens), with
         ``masks`` (1 on the tokens the policy sampled) the loss on those only; the loss of each
-        step, before its update."""
+        step, before its update. ``seed``: draw the rows from ``np.random.default_rng(seed)`` (a
+        resumed run draws what the interrupted one would have), not from the fitter's own stream."""
         _check_settings("DraftFitter.fit", steps=steps)
         if masks is not None and len(masks) != len(rows):
             raise ConfigError(f"DraftFitter.fit: {len(masks)} masks for {len(rows)} rows")
@@ -147,9 +149,10 @@ class DraftFitter:
             [rows[i] for i in keep], self.seq_len, None if masks is None else [masks[i] for i in keep]
         )
         model_state = nnx.state(model)
+        rng = self._rng if seed is None else np.random.default_rng(seed)
         losses = []
         for i in range(steps):
-            pick = self._rng.choice(len(keep), size=self.batch_size, replace=len(keep) < self.batch_size)
+            pick = rng.choice(len(keep), size=self.batch_size, replace=len(keep) < self.batch_size)
             self.params, self._opt_state, loss = self._step(
                 self.params, self._opt_state, model_state, ids[pick], seg[pick], sampled[pick]
             )
@@ -160,6 +163,30 @@ class DraftFitter:
 
     def module(self) -> Any:
         return nnx.merge(self._mtp_def, self.params, self._rest)
+
+    def state(self) -> dict:
+        """What fitting needs to go on where it stopped: the module's params and the optimiser's
+        state (device arrays; a train checkpoint's ``draft`` item)."""
+        return {"params": self.params, "opt_state": self._opt_state}
+
+    def abstract_state(self) -> dict:
+        """``state()``'s structure, shapes, dtypes and shardings (a restore target)."""
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state()
+        )
+
+    def load_state(self, state: dict) -> None:
+        """Go on from ``state`` (``state()`` of a fitter of the same module and optimiser)."""
+        want, got = jax.tree.structure(self.state()), jax.tree.structure(state)
+        if want != got:
+            raise ConfigError(f"DraftFitter.load_state: a state of another structure: {got} != {want}")
+        for a, b in zip(jax.tree.leaves(self.state()), jax.tree.leaves(state)):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                raise ConfigError(
+                    f"DraftFitter.load_state: an array {b.dtype}{list(b.shape)} where the fitter holds "
+                    f"{a.dtype}{list(a.shape)}"
+                )
+        self.params, self._opt_state = state["params"], state["opt_state"]
 
 
 def fit_mtp(

@@ -127,6 +127,10 @@ def build_run(cfg: TrainConfig, *, progress: bool = True) -> Run:
     )
     learner.connect(engine)
     fitter = draft_fitter(cfg, learner, draft.get("mtp"), nproc)
+    if fitter is not None:
+        learner.draft_fitter = fitter
+        if restored is not None:
+            resume_draft(fitter, ckpt, start_step, engine)
     records = [{"task_id": str(i), "instruction": t.instruction} for i, t in enumerate(train_tasks)]
     loader = PromptLoader(
         records, cfg.prompts_per_step // nproc, DataConfig(seed=cfg.seed), shard_index=pid, shard_count=nproc
@@ -198,14 +202,29 @@ def draft_fitter(cfg: TrainConfig, learner: Learner, mtp: Any, nproc: int) -> An
     )  # fmt: skip
 
 
-def refit_draft(run: Run, batch: Any) -> dict:
-    """Fit the draft to the policy the learner just made, on ``batch``'s rollouts, and give it to the
-    engine (what the engine samples does not change; how many drafts survive does). Metrics."""
+def resume_draft(fitter: Any, ckpt: Any, step: int, engine: Any) -> None:
+    """Go on fitting from the draft checkpointed with ``step`` and give it to ``engine``; a
+    checkpoint without one (fitting turned on after it was written) leaves the fitter as it is."""
+    saved = ckpt.restore_draft(step, fitter.abstract_state())
+    if saved is None:
+        log(f"checkpoint step {step} holds no fitted draft: fitting goes on from the draft loaded at start")
+        return
+    fitter.load_state(saved)
+    engine.update_draft(fitter.module())
+    log(f"restored the draft fitted up to step {step}")
+
+
+def refit_draft(run: Run, batch: Any, step: int) -> dict:
+    """Fit the draft to the policy the learner just made (that of ``step``), on ``batch``'s rollouts,
+    and give it to the engine (what the engine samples does not change; how many drafts survive
+    does). Metrics."""
     t0 = time.monotonic()
     policy = run.learner.train_step.model(run.learner.state)
     trajs = [t for g in batch.groups for t in g.trajectories]
     rows, masks = [t.tokens for t in trajs], [t.response_mask for t in trajs]
-    losses = run.draft_fitter.fit(policy, rows, run.cfg.engine.draft_fit_steps, masks=masks)
+    # Rows drawn from a stream of the step's own, so a resumed run fits as the first would have.
+    seed = (run.cfg.seed, step)
+    losses = run.draft_fitter.fit(policy, rows, run.cfg.engine.draft_fit_steps, masks=masks, seed=seed)
     run.engine.update_draft(run.draft_fitter.module())
     return {"speculative/draft_loss": losses[-1], "speculative/draft_fit_s": time.monotonic() - t0}
 
@@ -229,18 +248,22 @@ def draft_settings(cfg: TrainConfig, init: Path, mesh: Any) -> dict:
     if k and cfg.engine.draft_fit_steps:
         mtp = load_mtp(init, **load)
         if mtp is None:
-            from flax import nnx
-
-            from tmax_jax.checkpoints import read_hf_config
-            from tmax_jax.models.qwen35.mtp import MultiTokenPredictor
-
             log(f"{init} holds no MTP module: drafting with a new one, fitted after every step")
-            dt, pdt = jnp.dtype(cfg.model.dtype), jnp.dtype(cfg.model.param_dtype)
-            mtp = MultiTokenPredictor(
-                read_hf_config(init), 1, dtype=dt, param_dtype=pdt, rngs=nnx.Rngs(cfg.seed)
-            )
+            mtp = new_draft(cfg, init)
         return {"mtp": mtp, "speculative_tokens": k}
     return speculative_settings(init, k, setting="engine.speculative_tokens", **load)
+
+
+def new_draft(cfg: TrainConfig, init: Path) -> Any:
+    """A new one-layer MTP module for the model of checkpoint ``init`` (seeded by ``cfg.seed``): the
+    draft ``engine.draft_fit_steps`` starts from when the checkpoint has none."""
+    from flax import nnx
+
+    from tmax_jax.checkpoints import read_hf_config
+    from tmax_jax.models.qwen35.mtp import MultiTokenPredictor
+
+    dt, pdt = jnp.dtype(cfg.model.dtype), jnp.dtype(cfg.model.param_dtype)
+    return MultiTokenPredictor(read_hf_config(init), 1, dtype=dt, param_dtype=pdt, rngs=nnx.Rngs(cfg.seed))
 
 
 def warm_start(
