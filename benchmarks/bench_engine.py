@@ -167,28 +167,11 @@ def bench_engine(model, prompts: np.ndarray, new: int, cache_dtype) -> dict:
 
 
 def right_draft(model):
-    """(model, mtp) where the draft knows the model: the model's mixers and MLPs write nothing (each
-    logit row is a function of the fed token), and the MTP module passes the next token's embedding
-    to the model's final norm. The mechanics' best case: how much a step of k drafts can save."""
-    import jax.numpy as jnp
-    from flax import nnx
+    """(model, mtp) where the draft knows the model (``oracle_draft`` at mix 0): the mechanics' best
+    case, how much a step of k drafts can save."""
+    from tmax_jax.models.qwen35.mtp import oracle_draft
 
-    from tmax_jax.models.qwen35.mtp import MultiTokenPredictor
-
-    model = nnx.clone(model)
-    for layer in model.blocks.layers:
-        mixer = layer.self_attn.o_proj if hasattr(layer, "self_attn") else layer.linear_attn.out_proj
-        for w in (mixer, layer.mlp.down_proj):
-            w.set_value(jnp.zeros_like(w[...]))
-    D = model.config.hidden_size
-    mtp = MultiTokenPredictor(
-        model.config, 1, dtype=model.dtype, param_dtype=model.param_dtype, rngs=nnx.Rngs(1)
-    )
-    mtp.fc.set_value(jnp.concatenate([jnp.eye(D), jnp.zeros((D, D))]).astype(mtp.fc[...].dtype))
-    mtp.norm.set_value(model.norm[...])
-    for w in (mtp.layers.self_attn.o_proj, mtp.layers.mlp.down_proj):
-        w.set_value(jnp.zeros_like(w[...]))
-    return model, mtp
+    return oracle_draft(model)
 
 
 def bench_speculative(

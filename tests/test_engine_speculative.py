@@ -16,6 +16,7 @@ from test_engine_blocks import trainer_logprobs
 from tmax_jax.checkpoints import load_hf, load_mtp
 from tmax_jax.engine import Engine, Orchestrator, Request, SamplingParams
 from tmax_jax.errors import CheckpointError, ConfigError
+from tmax_jax.models.qwen35.mtp import oracle_draft
 
 KW = dict(
     max_concurrent_decodes=4,
@@ -33,28 +34,10 @@ def ckpt(tmp_path_factory):
     return path, torch_mtp
 
 
-def _set(param, value):
-    param.set_value(jnp.asarray(value, param[...].dtype))
-
-
 def near_oracle(path, mix: float):
-    """(model, mtp) where the draft nearly knows the model: the model's mixers and MLPs write
-    ``mix`` times their outputs (0: each logit row is a function of the fed token alone), and the MTP
-    module passes the next token's embedding to the model's final norm, so it predicts what the
-    model will predict one position on. ``mix`` > 0 makes it right only part of the time, while the
-    model's states decide the rest."""
-    model, mtp = load_hf(path), load_mtp(path)
-    for layer in model.blocks.layers:
-        mixer = layer.self_attn.o_proj if hasattr(layer, "self_attn") else layer.linear_attn.out_proj
-        _set(mixer, mix * np.asarray(mixer[...]))
-        _set(layer.mlp.down_proj, mix * np.asarray(layer.mlp.down_proj[...]))
-    D = model.config.hidden_size
-    _set(mtp.fc, np.concatenate([np.eye(D), np.zeros((D, D))]))
-    _set(mtp.pre_fc_norm_embedding, np.zeros(D))
-    _set(mtp.norm, np.asarray(model.norm[...]))
-    _set(mtp.layers.self_attn.o_proj, np.zeros(mtp.layers.self_attn.o_proj[...].shape))
-    _set(mtp.layers.mlp.down_proj, np.zeros(mtp.layers.mlp.down_proj[...].shape))
-    return model, mtp
+    """(model, mtp) from the checkpoint at ``path`` where the draft nearly knows the model
+    (``oracle_draft``: right always at ``mix`` 0, part of the time above)."""
+    return oracle_draft(load_hf(path), mix, load_mtp(path))
 
 
 def test_mtp_module_matches_transformers_layers(ckpt):

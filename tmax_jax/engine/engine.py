@@ -31,6 +31,7 @@ from tmax_jax.engine.engine_api import EngineAPI, ResultTokens
 from tmax_jax.engine.sampling import SamplingParams
 from tmax_jax.errors import ConfigError, TmaxError
 from tmax_jax.rl.logprobs import head_logits
+from tmax_jax.trees import check_like
 
 # Columns of ResultTokens.data.
 _TOKENS, _VALID, _LENGTHS = (0, 1), (1, 2), (2, 3)
@@ -398,12 +399,7 @@ class Engine(EngineAPI):
         if not self._draft_k:
             raise ConfigError("update_draft: this engine does not decode speculatively")
         state = nnx.state(mtp) if isinstance(mtp, nnx.Module) else mtp
-        old_leaves, old_def = jax.tree.flatten(self._mtp_state)
-        new_leaves, new_def = jax.tree.flatten(state)
-        if old_def != new_def or any(
-            a.shape != b.shape or a.dtype != b.dtype for a, b in zip(old_leaves, new_leaves)
-        ):
-            raise ConfigError("update_draft: the MTP weights differ in structure, shape or dtype")
+        check_like(self._mtp_state, state, "update_draft: the MTP weights differ")
         with launch.serial_launch():  # a reshard onto the model's devices is a launch too
             self._mtp_state = self._on_model_devices(state)
 
@@ -431,18 +427,8 @@ class Engine(EngineAPI):
         # The engine's own form (``params``) is checked against its current weights, the model's
         # state against the model's shapes (and then split into periods: one copy of the blocks).
         ref = self._params if isinstance(new_params, PeriodParams) else self._spec
-        old_leaves, old_def = jax.tree.flatten(ref)
-        new_leaves, new_def = jax.tree.flatten(new_params)
-        if old_def != new_def:
-            raise ConfigError(
-                "update_params: new parameters have a different tree structure than the engine's"
-            )
-        for path_leaf, a, b in zip(jax.tree_util.tree_flatten_with_path(ref)[0], old_leaves, new_leaves):
-            if a.shape != b.shape or a.dtype != b.dtype:
-                raise ConfigError(
-                    f"update_params: {jax.tree_util.keystr(path_leaf[0])} is {b.shape} {b.dtype}, "
-                    f"expected {a.shape} {a.dtype}"
-                )
+        check_like(ref, new_params, "update_params: new parameters differ from the engine's")
+        new_leaves = jax.tree.leaves(new_params)
         # JAX arrays are immutable: the same array objects hold the same values.
         if not copy and not isinstance(new_params, PeriodParams) and _same_leaves(self._source, new_leaves):
             return self._swap(self._params, self._source, version)

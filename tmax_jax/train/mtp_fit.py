@@ -30,6 +30,7 @@ from flax import nnx
 from tmax_jax import launch
 from tmax_jax.errors import ConfigError
 from tmax_jax.rl.logprobs import head_logits
+from tmax_jax.trees import check_like
 
 
 def pad_rows(
@@ -177,15 +178,7 @@ class DraftFitter:
 
     def load_state(self, state: dict) -> None:
         """Go on from ``state`` (``state()`` of a fitter of the same module and optimiser)."""
-        want, got = jax.tree.structure(self.state()), jax.tree.structure(state)
-        if want != got:
-            raise ConfigError(f"DraftFitter.load_state: a state of another structure: {got} != {want}")
-        for a, b in zip(jax.tree.leaves(self.state()), jax.tree.leaves(state)):
-            if a.shape != b.shape or a.dtype != b.dtype:
-                raise ConfigError(
-                    f"DraftFitter.load_state: an array {b.dtype}{list(b.shape)} where the fitter holds "
-                    f"{a.dtype}{list(a.shape)}"
-                )
+        check_like(self.state(), state, "DraftFitter.load_state: the state differs from the fitter's")
         self.params, self._opt_state = state["params"], state["opt_state"]
 
 
@@ -206,9 +199,7 @@ def fit_mtp(
     steps of ``batch_size`` rows drawn at random (``seed``), each cut to ``seq_len`` (default: the
     longest row); ``masks``: the loss on the tokens the policy sampled only (``mtp_distill_loss``).
     Returns the loss of every step (before its update)."""
-    _check_settings("fit_mtp", steps=steps, batch_size=batch_size)
-    if not learning_rate > 0:
-        raise ConfigError(f"fit_mtp: learning_rate must be > 0, got {learning_rate!r}")
+    # The settings are checked by DraftFitter (learning rate, batch size) and its fit (steps).
     rows = [list(r) for r in rows]
     if not rows or any(len(r) < 3 for r in rows):
         raise ConfigError("fit_mtp: rows must be a non-empty list of token lists of at least 3 tokens")

@@ -81,3 +81,32 @@ class MultiTokenPredictor(nnx.Module):
             new_kv.append(cache_i)
         out = rms_norm(x_BxTxD, self.norm[...], eps, zero_centred=zc)
         return out, (None if kv is None else tuple(new_kv))
+
+
+def oracle_draft(model, mix: float = 0.0, mtp: MultiTokenPredictor | None = None):
+    """``(model', mtp')``: a copy of ``model`` whose mixers and MLPs write ``mix`` times their outputs,
+    and a one-layer module (a copy of ``mtp``'s, else a new one) that passes the embedding of the
+    token it is fed, unchanged, to the model's final norm. At ``mix`` 0 every logit row of ``model'``
+    is a function of the fed token alone and the draft predicts it exactly (the mechanics' best case:
+    benchmarks, tests); above 0 the model's states decide part of it and the draft is right only
+    part of the time. A diagnostic, not a way to train a draft."""
+    model = nnx.clone(model)
+    for layer in model.blocks.layers:
+        mixer = layer.self_attn.o_proj if hasattr(layer, "self_attn") else layer.linear_attn.out_proj
+        for w in (mixer, layer.mlp.down_proj):
+            w.set_value((mix * w[...].astype(jnp.float32)).astype(w[...].dtype))
+    cfg, D = model.config, model.config.hidden_size
+    if mtp is None:
+        mtp = MultiTokenPredictor(cfg, 1, dtype=model.dtype, param_dtype=model.param_dtype, rngs=nnx.Rngs(1))
+    else:
+        mtp = nnx.clone(mtp)
+
+    def put(param, value):
+        param.set_value(jnp.asarray(value, param[...].dtype))
+
+    put(mtp.fc, jnp.concatenate([jnp.eye(D), jnp.zeros((D, D))]))  # keep the embedding half
+    put(mtp.pre_fc_norm_embedding, jnp.full((D,), norm_init_value(cfg.zero_centred_norms)))
+    put(mtp.norm, model.norm[...])
+    for w in (mtp.layers.self_attn.o_proj, mtp.layers.mlp.down_proj):  # the layer adds nothing
+        put(w, jnp.zeros(w[...].shape))
+    return model, mtp
