@@ -183,29 +183,36 @@ def test_draft_fitter_swaps_into_a_running_engine(ckpt):
         Engine(model, **KW).update_draft(mtp)
 
 
-def test_draft_fitter_state_goes_through_a_train_checkpoint(ckpt, tmp_path):
+@pytest.mark.parametrize("placed", ["one device", "fsdp 4 x tensor 2"])
+def test_draft_fitter_state_goes_through_a_train_checkpoint(ckpt, tmp_path, placed):
     """A run that fits its draft saves the fitter's state (module and AdamW state) with each train
     checkpoint: restored into a new fitter it is bit for bit the saved one, and fitting on from it
-    with a step's seed gives exactly what the uninterrupted fitter gives. A step saved without one
-    restores None; a fitter of another module refuses it by name."""
+    with a step's seed gives exactly what the uninterrupted fitter gives, on one device or with the
+    policy and draft sharded over 8. A step saved without one restores None; a fitter of another
+    module refuses it by name."""
     import jax
 
     from tmax_jax.errors import CheckpointError
     from tmax_jax.models.qwen35.mtp import MultiTokenPredictor
     from tmax_jax.rl.state import TrainCheckpointer
+    from tmax_jax.sharding import MeshConfig, make_mesh
     from tmax_jax.train.mtp_fit import DraftFitter
 
-    model = load_hf(ckpt)
-    rows, _, _ = _self_samples(model, seed=2)
+    on = {}
+    if placed != "one device":
+        cfg = MeshConfig(data=1, fsdp=4, tensor=2)
+        on = dict(mesh=make_mesh(cfg), rules=cfg.rules)
+    model = load_hf(ckpt, **on)
+    rows, _, _ = _self_samples(load_hf(ckpt), seed=2)
     kw = dict(learning_rate=3e-3, batch_size=4, seq_len=24)
-    first = DraftFitter(model, load_mtp(ckpt), **kw)
+    first = DraftFitter(model, load_mtp(ckpt, **on), **kw)
     first.fit(model, rows, 5, seed=(0, 1))
     saved = jax.tree.map(np.asarray, first.state())
     ck = TrainCheckpointer(tmp_path / "ck", async_save=False)
     ck.save(1, {"w": np.zeros(2, np.float32)}, {"version": 1}, force=True, draft=first.state())
     ck.save(2, {"w": np.zeros(2, np.float32)}, {"version": 2}, force=True)
 
-    second = DraftFitter(model, load_mtp(ckpt), **kw)  # the checkpoint's module: not the fitted one
+    second = DraftFitter(model, load_mtp(ckpt, **on), **kw)  # the checkpoint's module, not the fitted one
     assert not all(
         np.array_equal(a, b) for a, b in zip(jax.tree.leaves(second.state()), jax.tree.leaves(saved))
     )

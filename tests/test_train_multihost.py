@@ -10,7 +10,9 @@ independent references:
   (advantages, packing and the global batch rebuilt here from their trajectory files);
 - after each update both engines sample with the new weights: the trainer's log-probabilities of
   step 2's sampled tokens match the ones the engines recorded (max gap ~1e-6, not ~1);
-- a SIGINT to one process stops both at the same step with a checkpoint, and the pair resumes.
+- a SIGINT to one process stops both at the same step with a checkpoint, and the pair resumes;
+- both engines decode speculatively with one draft the pair fits after every step: the draft step 1
+  saved equals one process fitting a new module on the rows both logged; the pair resumes it.
 """
 
 import json
@@ -59,6 +61,10 @@ ARGS = [
     # The coin-flip verifier scores one reply, submitted or not; prompts come in the loader's order.
     "reward_requires_submit=false",
     "curriculum.enabled=false",
+    # Speculative decoding, the draft (a new module: the checkpoint has none) fitted after each step.
+    "engine.speculative_tokens=2",
+    "engine.draft_fit_steps=2",
+    "engine.draft_fit_batch_size=4",
 ]
 
 
@@ -150,10 +156,14 @@ def test_sigint_to_one_process_stops_both_and_the_pair_resumes(pod_run):
         stopped.append(json.loads(line)["step"])
     assert stopped[0] == stopped[1] and stopped[0] >= 1
     assert pod_run["second"] == [0, 0], _tail(logs)
-    log0 = (logs / "p0.log").read_text()
-    assert f"resumed from checkpoint step {stopped[0]}" in log0
+    for pid in (0, 1):  # each process went on from the draft the pair checkpointed
+        text = (logs / f"p{pid}.log").read_text()
+        assert f"resumed from checkpoint step {stopped[0]}" in text
+        assert f"restored the draft fitted up to step {stopped[0]}" in text
     rows = [json.loads(ln) for ln in (pod_run["run_dir"] / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]  # one writer, no step lost or repeated
+    for r in rows:
+        assert 1.0 <= r["speculative/tokens_per_step"] <= 3.0 and np.isfinite(r["speculative/draft_loss"])
     summary = json.loads((pod_run["run_dir"] / "summary.json").read_text())
     assert summary["steps"] == 3
 
@@ -262,6 +272,46 @@ def test_step_one_equals_one_process_on_the_logged_rows(pod_run):
     np.testing.assert_allclose(row["loss"], float(metrics["loss"]), rtol=1e-4, atol=1e-6)
     assert row["response_tokens"] == float(metrics["response_tokens"])
     _assert_same_update(before, jax.tree.leaves(saved.params), jax.tree.leaves(state.params))
+
+
+def test_pair_fits_the_draft_one_process_would(pod_run):
+    """The draft checkpointed with step 1 is what one process makes of the new module the run started
+    from, fitted to step 1's policy on the rows both processes logged for step 1 (in process order,
+    the step's row draws): the pair fitted one draft on everyone's rollouts, not each its own."""
+    import jax
+    from flax import nnx
+
+    from tmax_jax.checkpoints import load_hf
+    from tmax_jax.config import load_yaml, override
+    from tmax_jax.rl.state import TrainCheckpointer
+    from tmax_jax.rl.train_step import TrainStep
+    from tmax_jax.sharding import make_mesh
+    from tmax_jax.train.config import TrainConfig
+    from tmax_jax.train.mtp_fit import DraftFitter
+    from tmax_jax.train.run import new_draft
+
+    run_dir = pod_run["run_dir"]
+    cfg = override(TrainConfig(), load_yaml(run_dir / "config.yaml"))
+    step_fn = TrainStep(
+        load_hf(run_dir / "sft", dtype=cfg.model.dtype), cfg.rl, make_mesh(cfg.mesh), cfg.mesh
+    )
+    e = cfg.engine
+    start = new_draft(cfg, run_dir / "init")
+    before = [np.asarray(x) for x in jax.tree.leaves(nnx.state(start, nnx.Param))]
+    ckpt = TrainCheckpointer(run_dir / "checkpoints", async_save=False)
+    try:
+        policy = step_fn.model(ckpt.restore(1, step_fn.abstract_state())[0])
+        ref = DraftFitter(
+            policy, start, learning_rate=e.draft_fit_learning_rate, batch_size=e.draft_fit_batch_size,
+            seq_len=cfg.seq_len,
+        )  # fmt: skip
+        saved = ckpt.restore_draft(1, ref.abstract_state())
+    finally:
+        ckpt.close()
+    logged = _trajectories(run_dir, 1, 0) + _trajectories(run_dir, 1, 1)
+    rows, masks = [t["tokens"] for t in logged], [t["response_mask"] for t in logged]
+    ref.fit(policy, rows, e.draft_fit_steps, masks=masks, seed=(cfg.seed, 1))
+    _assert_same_update(before, jax.tree.leaves(saved["params"]), jax.tree.leaves(ref.state()["params"]))
 
 
 def test_warm_start_equals_one_process_sft(pod_run, tmp_path):

@@ -112,8 +112,9 @@ class DraftFitter:
         self._model_def = nnx.graphdef(model)
         self._mtp_def, self.params, self._rest = nnx.split(mtp, nnx.Param, ...)
         opt = optax.adamw(learning_rate, weight_decay=0.0)
-        self._opt_state = opt.init(self.params)
+        self._opt_state = _on_devices_of(opt.init(self.params), self.params)
         self._rng = np.random.default_rng(seed)
+        self.replicas = None  # set by a multi-process train run: gives each engine its own copy
         mtp_def, rest, model_def = self._mtp_def, self._rest, self._model_def
 
         def step(params, opt_state, model_state, ids, seg, sampled):
@@ -151,11 +152,12 @@ class DraftFitter:
         )
         model_state = nnx.state(model)
         rng = self._rng if seed is None else np.random.default_rng(seed)
+        put = _replicated_like(model_state)
         losses = []
         for i in range(steps):
             pick = rng.choice(len(keep), size=self.batch_size, replace=len(keep) < self.batch_size)
             self.params, self._opt_state, loss = self._step(
-                self.params, self._opt_state, model_state, ids[pick], seg[pick], sampled[pick]
+                self.params, self._opt_state, model_state, put(ids[pick]), put(seg[pick]), put(sampled[pick])
             )
             losses.append(float(loss))
             if log is not None and (i == 0 or (i + 1) % max(1, steps // 10) == 0):
@@ -180,6 +182,31 @@ class DraftFitter:
         """Go on from ``state`` (``state()`` of a fitter of the same module and optimiser)."""
         check_like(self.state(), state, "DraftFitter.load_state: the state differs from the fitter's")
         self.params, self._opt_state = state["params"], state["opt_state"]
+
+
+def _on_devices_of(tree: Any, like: Any) -> Any:
+    """``tree`` with every array that is not on ``like``'s devices (the optimiser's step count, made
+    on the default device) replicated over ``like``'s mesh: a state restored from a checkpoint
+    then lands where the params are."""
+    sharding = jax.tree.leaves(like)[0].sharding
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return tree
+    replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    devices = sharding.device_set
+    return jax.tree.map(
+        lambda x: x if x.sharding.device_set == devices else jax.device_put(x, replicated), tree
+    )
+
+
+def _replicated_like(tree: Any) -> Callable[[np.ndarray], Any]:
+    """How to feed a host batch to a program over ``tree``'s arrays: as it is when they are all this
+    process's, else as an array replicated over their mesh (several processes, each with the same
+    rows)."""
+    leaf = jax.tree.leaves(tree)[0]
+    if leaf.is_fully_addressable:
+        return lambda x: x
+    replicated = jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec())
+    return lambda x: jax.device_put(x, replicated)
 
 
 def fit_mtp(

@@ -185,21 +185,42 @@ def _own_loader_state(saved: dict, run_dir: Path, pid: int, nproc: int) -> dict 
 
 
 def draft_fitter(cfg: TrainConfig, learner: Learner, mtp: Any, nproc: int) -> Any:
-    """The ``DraftFitter`` of ``engine.draft_fit_steps`` (None when 0)."""
+    """The ``DraftFitter`` of ``engine.draft_fit_steps`` (None when 0). Several processes fit one
+    copy of the draft placed on the train mesh like the policy (every process runs the same steps on
+    every process's rollouts); after each fit each engine gets its own full copy (``push_draft``)."""
     if not cfg.engine.draft_fit_steps:
         return None
-    if nproc > 1:
-        raise ConfigError(
-            "engine.draft_fit_steps runs in one JAX process for now (each process's engine holds its "
-            "own copy of the draft)"
-        )
+    from flax import nnx
+
+    from tmax_jax.sharding import ProcessReplicas, param_shardings, shard_tree
     from tmax_jax.train.mtp_fit import DraftFitter
 
+    replicas = None
+    if nproc > 1:
+        graphdef, params, rest = nnx.split(mtp, nnx.Param, ...)
+        mesh = learner.train_step.mesh
+        params = shard_tree(params, param_shardings(params, mesh, cfg.mesh))
+        mtp = nnx.merge(graphdef, params, rest)
+        replicas = ProcessReplicas(params, cfg.mesh)
     e = cfg.engine
-    return DraftFitter(
+    fitter = DraftFitter(
         learner.train_step.model(learner.state), mtp, learning_rate=e.draft_fit_learning_rate,
         batch_size=e.draft_fit_batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
     )  # fmt: skip
+    fitter.replicas = replicas
+    return fitter
+
+
+def push_draft(fitter: Any, engine: Any) -> None:
+    """Give ``engine`` the fitter's module: with several processes, this process's full copy of it (a
+    collective: every process calls it at the same point)."""
+    module = fitter.module()
+    if fitter.replicas is not None:
+        from flax import nnx
+
+        graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+        module = nnx.merge(graphdef, fitter.replicas(params), rest)
+    engine.update_draft(module)
 
 
 def resume_draft(fitter: Any, ckpt: Any, step: int, engine: Any) -> None:
@@ -210,7 +231,7 @@ def resume_draft(fitter: Any, ckpt: Any, step: int, engine: Any) -> None:
         log(f"checkpoint step {step} holds no fitted draft: fitting goes on from the draft loaded at start")
         return
     fitter.load_state(saved)
-    engine.update_draft(fitter.module())
+    push_draft(fitter, engine)
     log(f"restored the draft fitted up to step {step}")
 
 
@@ -221,11 +242,14 @@ def refit_draft(run: Run, batch: Any, step: int) -> dict:
     t0 = time.monotonic()
     policy = run.learner.train_step.model(run.learner.state)
     trajs = [t for g in batch.groups for t in g.trajectories]
-    rows, masks = [t.tokens for t in trajs], [t.response_mask for t in trajs]
+    # Every process's rollouts, in process order: each process runs the same fit on the same rows.
+    shares = allgather_json([[list(t.tokens), list(t.response_mask)] for t in trajs])
+    rows = [r for share in shares for r, _ in share]
+    masks = [m for share in shares for _, m in share]
     # Rows drawn from a stream of the step's own, so a resumed run fits as the first would have.
     seed = (run.cfg.seed, step)
     losses = run.draft_fitter.fit(policy, rows, run.cfg.engine.draft_fit_steps, masks=masks, seed=seed)
-    run.engine.update_draft(run.draft_fitter.module())
+    push_draft(run.draft_fitter, run.engine)
     return {"speculative/draft_loss": losses[-1], "speculative/draft_fit_s": time.monotonic() - t0}
 
 
