@@ -15,7 +15,7 @@ def check_like(ref: Any, new: Any, what: str) -> None:
     leaf its shape and dtype; the message names the first leaf that differs."""
     ref_leaves, ref_def = jax.tree_util.tree_flatten_with_path(ref)
     new_leaves, new_def = jax.tree.flatten(new)
-    if jax.tree.structure(ref) != new_def:
+    if ref_def != new_def:
         raise ConfigError(
             f"{what}: a tree of another structure ({len(new_leaves)} arrays where {len(ref_leaves)} are "
             "expected, or other names)"

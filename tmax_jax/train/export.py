@@ -57,15 +57,8 @@ def export_step(run_dir: str | Path, step: int | None, out_dir: str | Path) -> t
 def _fitted_draft(cfg: TrainConfig, ckpt, step: int, policy, mtp, init: Path):
     """The MTP module checkpointed with ``step`` (in the structure of ``mtp``, or of a new module
     like the one the run started from when the checkpoints hold none)."""
-    from tmax_jax.train.mtp_fit import DraftFitter
-    from tmax_jax.train.run import new_draft
+    from tmax_jax.train.run import config_draft_fitter, new_draft
 
-    if mtp is None:
-        mtp = new_draft(cfg, init)
-    e = cfg.engine
-    fitter = DraftFitter(
-        policy, mtp, learning_rate=e.draft_fit_learning_rate, batch_size=e.draft_fit_batch_size,
-        seq_len=cfg.seq_len,
-    )  # fmt: skip
+    fitter = config_draft_fitter(cfg, policy, new_draft(cfg, init) if mtp is None else mtp)
     fitter.load_state(ckpt.restore_draft(step, fitter.abstract_state()))
     return fitter.module()

@@ -184,15 +184,22 @@ class DraftFitter:
         self.params, self._opt_state = state["params"], state["opt_state"]
 
 
+def _replicated_sharding(tree: Any) -> jax.sharding.NamedSharding | None:
+    """Replication over the mesh ``tree``'s arrays are laid out on (None: they are not on a mesh)."""
+    sharding = jax.tree.leaves(tree)[0].sharding
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return None
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+
+
 def _on_devices_of(tree: Any, like: Any) -> Any:
     """``tree`` with every array that is not on ``like``'s devices (the optimiser's step count, made
     on the default device) replicated over ``like``'s mesh: a state restored from a checkpoint
     then lands where the params are."""
-    sharding = jax.tree.leaves(like)[0].sharding
-    if not isinstance(sharding, jax.sharding.NamedSharding):
+    replicated = _replicated_sharding(like)
+    if replicated is None:
         return tree
-    replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    devices = sharding.device_set
+    devices = replicated.device_set
     return jax.tree.map(
         lambda x: x if x.sharding.device_set == devices else jax.device_put(x, replicated), tree
     )
@@ -202,10 +209,9 @@ def _replicated_like(tree: Any) -> Callable[[np.ndarray], Any]:
     """How to feed a host batch to a program over ``tree``'s arrays: as it is when they are all this
     process's, else as an array replicated over their mesh (several processes, each with the same
     rows)."""
-    leaf = jax.tree.leaves(tree)[0]
-    if leaf.is_fully_addressable:
+    if jax.tree.leaves(tree)[0].is_fully_addressable:
         return lambda x: x
-    replicated = jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec())
+    replicated = _replicated_sharding(tree)
     return lambda x: jax.device_put(x, replicated)
 
 

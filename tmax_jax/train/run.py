@@ -193,7 +193,6 @@ def draft_fitter(cfg: TrainConfig, learner: Learner, mtp: Any, nproc: int) -> An
     from flax import nnx
 
     from tmax_jax.sharding import ProcessReplicas, param_shardings, shard_tree
-    from tmax_jax.train.mtp_fit import DraftFitter
 
     replicas = None
     if nproc > 1:
@@ -202,13 +201,21 @@ def draft_fitter(cfg: TrainConfig, learner: Learner, mtp: Any, nproc: int) -> An
         params = shard_tree(params, param_shardings(params, mesh, cfg.mesh))
         mtp = nnx.merge(graphdef, params, rest)
         replicas = ProcessReplicas(params, cfg.mesh)
-    e = cfg.engine
-    fitter = DraftFitter(
-        learner.train_step.model(learner.state), mtp, learning_rate=e.draft_fit_learning_rate,
-        batch_size=e.draft_fit_batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
-    )  # fmt: skip
+    fitter = config_draft_fitter(cfg, learner.train_step.model(learner.state), mtp)
     fitter.replicas = replicas
     return fitter
+
+
+def config_draft_fitter(cfg: TrainConfig, policy: Any, mtp: Any) -> Any:
+    """A ``DraftFitter`` of ``mtp`` towards ``policy`` with the run's ``engine.draft_fit_*`` settings
+    (a train run's, or export's restore target for the draft it saved)."""
+    from tmax_jax.train.mtp_fit import DraftFitter
+
+    e = cfg.engine
+    return DraftFitter(
+        policy, mtp, learning_rate=e.draft_fit_learning_rate, batch_size=e.draft_fit_batch_size,
+        seq_len=cfg.seq_len, seed=cfg.seed,
+    )  # fmt: skip
 
 
 def push_draft(fitter: Any, engine: Any) -> None:
