@@ -183,6 +183,67 @@ def test_draft_fitter_swaps_into_a_running_engine(ckpt):
         Engine(model, **KW).update_draft(mtp)
 
 
+def test_draft_fitter_matches_fitting_step_by_step(ckpt):
+    """DraftFitter runs the frozen policy once over the rows a run of steps draws and pads them to a
+    length bucket. The reference does what the loss says at every step: the policy's forward on the
+    step's rows padded to seq_len, value_and_grad of mtp_distill_loss, optax's AdamW. Same draws,
+    same losses and module after 6 steps, with the whole fit's rows in one forward and with no
+    cache at all (a forward per run of steps whose rows fit one batch)."""
+    import jax
+    import optax
+
+    from tmax_jax.train.mtp_fit import DraftFitter
+
+    model = load_hf(ckpt)
+    rng = np.random.default_rng(7)
+    # One row too short to draft from, two longer than seq_len (cut), the rest padded.
+    rows = [[int(t) for t in rng.integers(0, 256, n)] for n in (5, 9, 2, 30, 12, 7, 17, 40, 3, 11)]
+    masks = [[int(b) for b in rng.integers(0, 2, len(r))] for r in rows]
+    seq_len, batch, steps, lr = 24, 4, 6, 3e-3
+
+    keep = [i for i, r in enumerate(rows) if len(r) >= 3]
+    ids, seg, sampled = pad_rows([rows[i] for i in keep], seq_len, [masks[i] for i in keep])
+    graphdef, params, rest = nnx.split(load_mtp(ckpt), nnx.Param, ...)
+    start = jax.tree.map(np.asarray, params)
+    opt = optax.adamw(lr, weight_decay=0.0)
+    opt_state = opt.init(params)
+
+    def loss_fn(p, pick):
+        return mtp_distill_loss(nnx.merge(graphdef, p, rest), model, ids[pick], seg[pick], sampled[pick])[0]
+
+    draw, ref, drawn = np.random.default_rng((3, 1)), [], set()
+    for _ in range(steps):
+        pick = draw.choice(len(keep), size=batch, replace=False)
+        drawn.update(pick.tolist())
+        loss, grads = jax.value_and_grad(loss_fn)(params, pick)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        ref.append(float(loss))
+
+    policy_rows = {}
+    for cache_bytes in (256 << 20, 0):
+        fitter = DraftFitter(
+            model,
+            load_mtp(ckpt),
+            learning_rate=lr,
+            batch_size=batch,
+            seq_len=seq_len,
+            cache_bytes=cache_bytes,
+        )
+        losses = fitter.fit(model, rows, steps, masks=masks, seed=(3, 1))
+        np.testing.assert_allclose(losses, ref, rtol=1e-4)
+        for got, want, first in zip(
+            jax.tree.leaves(fitter.params), jax.tree.leaves(params), jax.tree.leaves(start)
+        ):
+            moved = np.linalg.norm(np.asarray(want) - first)
+            assert moved > 0 and np.linalg.norm(np.asarray(got) - np.asarray(want)) <= 1e-3 * moved
+        assert fitter.counts["steps"] == steps
+        policy_rows[cache_bytes] = fitter.counts["policy_rows"]
+    # All drawn rows in one forward, in whole batches (a power of two of them).
+    assert policy_rows[256 << 20] == batch << (-(-len(drawn) // batch) - 1).bit_length()
+    assert policy_rows[256 << 20] < policy_rows[0] <= steps * batch
+
+
 @pytest.mark.parametrize("placed", ["one device", "fsdp 4 x tensor 2"])
 def test_draft_fitter_state_goes_through_a_train_checkpoint(ckpt, tmp_path, placed):
     """A run that fits its draft saves the fitter's state (module and AdamW state) with each train

@@ -50,19 +50,26 @@ def pad_rows(
     return ids, seg, sampled
 
 
-def mtp_distill_loss(
-    mtp: Any, model: Any, ids_BxT: jax.Array, seg_BxT: jax.Array, sampled_BxT: jax.Array | None = None
+def policy_hidden(model: Any, ids_BxT: jax.Array, seg_BxT: jax.Array) -> jax.Array:
+    """The frozen policy's final-norm hidden states ``[B, T, D]`` (no gradient reaches the policy):
+    what the module reads, and what the teacher's logits come from."""
+    return jax.lax.stop_gradient(model.hidden_states(ids_BxT, segment_ids=seg_BxT.astype(jnp.int32)))
+
+
+def distill_loss_from_hidden(
+    mtp: Any,
+    embed_VxD: jax.Array,
+    head_weight: jax.Array,
+    h_BxTxD: jax.Array,
+    ids_BxT: jax.Array,
+    seg_BxT: jax.Array,
+    sampled_BxT: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """(mean KL over the positions that have a next token, their count); see the module docstring.
-    ``seg_BxT``: segment ids as in the model's forward (0: padding), sequences packed or one per row.
-    ``sampled_BxT`` (1 on the tokens the policy sampled): only positions whose target ``t_{i+2}``
-    the policy sampled count, the ones a draft is ever asked for (prompts and tool outputs are
-    prefilled, never drafted)."""
+    """``mtp_distill_loss`` given the policy's hidden states ``h_BxTxD`` (``policy_hidden``), its
+    token embedding and its LM head weight: the teacher's logits are the head applied to them."""
     B, T = ids_BxT.shape
     seg = seg_BxT.astype(jnp.int32)
-    h_BxTxD = jax.lax.stop_gradient(model.hidden_states(ids_BxT, segment_ids=seg))
-    weight = model.lm_head_weight()
-    teacher_BxTxV = jax.lax.stop_gradient(head_logits(h_BxTxD, weight))
+    teacher_BxTxV = jax.lax.stop_gradient(head_logits(h_BxTxD, head_weight))
     # Position i predicts t_{i+2}: it needs t_{i+1} in its own sequence; the teacher is the policy's
     # logits at i + 1.
     next_seg = jnp.concatenate([seg[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
@@ -70,8 +77,8 @@ def mtp_distill_loss(
     next_ids = jnp.concatenate([ids_BxT[:, 1:], jnp.zeros((B, 1), ids_BxT.dtype)], axis=1)
     teacher_BxTxV = jnp.concatenate([teacher_BxTxV[:, 1:], teacher_BxTxV[:, -1:]], axis=1)
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))  # one sequence per row from position 0
-    out_BxTxD, _ = mtp(model.embed_tokens[...], h_BxTxD, jnp.where(valid_BxT, next_ids, 0), positions, seg)
-    student_BxTxV = head_logits(out_BxTxD, weight)
+    out_BxTxD, _ = mtp(embed_VxD, h_BxTxD, jnp.where(valid_BxT, next_ids, 0), positions, seg)
+    student_BxTxV = head_logits(out_BxTxD, head_weight)
     log_p = jax.nn.log_softmax(teacher_BxTxV.astype(jnp.float32), axis=-1)
     log_q = jax.nn.log_softmax(student_BxTxV.astype(jnp.float32), axis=-1)
     kl_BxT = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
@@ -84,49 +91,126 @@ def mtp_distill_loss(
     return jnp.sum(jnp.where(counted_BxT, kl_BxT, 0.0)) / jnp.maximum(count, 1), count
 
 
+def mtp_distill_loss(
+    mtp: Any, model: Any, ids_BxT: jax.Array, seg_BxT: jax.Array, sampled_BxT: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """(mean KL over the positions that have a next token, their count); see the module docstring.
+    ``seg_BxT``: segment ids as in the model's forward (0: padding), sequences packed or one per row.
+    ``sampled_BxT`` (1 on the tokens the policy sampled): only positions whose target ``t_{i+2}``
+    the policy sampled count, the ones a draft is ever asked for (prompts and tool outputs are
+    prefilled, never drafted)."""
+    h_BxTxD = policy_hidden(model, ids_BxT, seg_BxT)
+    return distill_loss_from_hidden(
+        mtp, model.embed_tokens[...], model.lm_head_weight(), h_BxTxD, ids_BxT, seg_BxT, sampled_BxT
+    )
+
+
 def _check_settings(who: str, **ints) -> None:
     for name, v in ints.items():
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{who}: {name} must be a positive integer, got {v!r}")
 
 
+def _cached_rows(n: int, batch: int) -> int:
+    """Rows of a cached policy forward over ``n`` rows: whole batches, a power of two of them (few
+    distinct shapes to compile)."""
+    return batch * (1 << (-(-n // batch) - 1).bit_length())
+
+
 class DraftFitter:
-    """Keeps an MTP module fitted to a policy that changes: one compiled AdamW step on
-    ``batch_size`` rows of ``seq_len`` tokens (rows are cut or padded to it, so new data never
-    recompiles), its optimiser state carried from call to call. ``fit(model, rows, steps)`` trains
-    towards the policy ``model`` given then (its weights are arguments of the step, not constants);
-    ``module()`` is the fitted module."""
+    """Keeps an MTP module fitted to a policy that changes: compiled AdamW steps on ``batch_size``
+    rows of at most ``seq_len`` tokens, the optimiser state carried from call to call.
+    ``fit(model, rows, steps)`` trains towards the policy ``model`` given then (its weights are
+    arguments of the programs, not constants); ``module()`` is the fitted module.
+
+    The policy is frozen during a fit, so its forward over a row is the same at every step that
+    draws the row: ``fit`` draws every step's rows first, runs the policy once over the rows a run
+    of steps shares (its hidden states kept on device, at most ``cache_bytes`` of them beyond one
+    step's batch) and then only the module at each step. Rows are padded to a power of two of the
+    longest one of such a run of steps (at least 16, at most ``seq_len``), not to ``seq_len``: a
+    fit compiles one program per length bucket and count of cached batches, each once."""
 
     def __init__(
-        self, model: Any, mtp: Any, *, learning_rate: float, batch_size: int, seq_len: int, seed: int = 0
+        self,
+        model: Any,
+        mtp: Any,
+        *,
+        learning_rate: float,
+        batch_size: int,
+        seq_len: int,
+        seed: int = 0,
+        cache_bytes: int = 256 << 20,
     ):
         _check_settings("DraftFitter", batch_size=batch_size, seq_len=seq_len)
         if not learning_rate > 0:
             raise ConfigError(f"DraftFitter: learning_rate must be > 0, got {learning_rate!r}")
+        if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
+            raise ConfigError(f"DraftFitter: cache_bytes must be an integer >= 0, got {cache_bytes!r}")
         if mtp.config.hidden_size != model.config.hidden_size:
             raise ConfigError(
                 f"DraftFitter: the MTP module's hidden size {mtp.config.hidden_size} != the model's "
                 f"{model.config.hidden_size}"
             )
-        self.batch_size, self.seq_len = batch_size, seq_len
+        self.batch_size, self.seq_len, self.cache_bytes = batch_size, seq_len, cache_bytes
+        # Bytes of one token's hidden state (the policy's compute dtype).
+        self._token_bytes = (
+            model.config.hidden_size * jnp.dtype(getattr(model, "dtype", jnp.float32)).itemsize
+        )
         self._model_def = nnx.graphdef(model)
         self._mtp_def, self.params, self._rest = nnx.split(mtp, nnx.Param, ...)
         opt = optax.adamw(learning_rate, weight_decay=0.0)
         self._opt_state = _on_devices_of(opt.init(self.params), self.params)
         self._rng = np.random.default_rng(seed)
         self.replicas = None  # set by a multi-process train run: gives each engine its own copy
+        # Policy forwards and module steps run by the last fit (what the cache saved).
+        self.counts = {"policy_rows": 0, "steps": 0}
         mtp_def, rest, model_def = self._mtp_def, self._rest, self._model_def
 
-        def step(params, opt_state, model_state, ids, seg, sampled):
+        def teach(model_state, ids_NxBxT, seg_NxBxT):
+            model = nnx.merge(model_def, model_state)
+            h = jax.lax.map(lambda a: policy_hidden(model, *a), (ids_NxBxT, seg_NxBxT))
+            return h.reshape(-1, *h.shape[2:])  # [N * B, T, D], one batch's activations at a time
+
+        def step(params, opt_state, model_state, h_RxTxD, ids_RxT, seg_RxT, sampled_RxT, pick_B):
+            model = nnx.merge(model_def, model_state)
+            embed, head = model.embed_tokens[...], model.lm_head_weight()
+            rows = [jnp.take(a, pick_B, axis=0) for a in (h_RxTxD, ids_RxT, seg_RxT, sampled_RxT)]
+
             def loss_fn(p):
-                mtp = nnx.merge(mtp_def, p, rest)
-                return mtp_distill_loss(mtp, nnx.merge(model_def, model_state), ids, seg, sampled)[0]
+                return distill_loss_from_hidden(nnx.merge(mtp_def, p, rest), embed, head, *rows)[0]
 
             loss, grads = jax.value_and_grad(loss_fn)(params)
             updates, opt_state = opt.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss
 
-        self._step = launch.jit(step)  # beside the engine's threads: through the launch queue
+        # Beside the engine's threads: through the launch queue.
+        self._teach = launch.jit(teach)
+        self._step = launch.jit(step)
+
+    def _bucket(self, n: int) -> int:
+        return min(self.seq_len, max(16, 1 << (max(n, 1) - 1).bit_length()))
+
+    def _runs(self, picks: list[np.ndarray], lengths: list[int]) -> list[tuple[int, int, list[int], int]]:
+        """Consecutive steps that share one policy forward: (first step, end step, the rows they
+        draw in order of first use, their length bucket). A run grows while its cached hidden
+        states stay within one step's batch plus ``cache_bytes``."""
+        budget = self.batch_size * self.seq_len * self._token_bytes + self.cache_bytes
+        runs, start, rows, seen, longest = [], 0, [], set(), 0
+        for s, pick in enumerate(picks):
+            new = [int(r) for r in dict.fromkeys(pick.tolist()) if int(r) not in seen]
+            grown = max([longest] + [lengths[r] for r in new])
+            size = (
+                _cached_rows(len(rows) + len(new), self.batch_size) * self._bucket(grown) * self._token_bytes
+            )
+            if s > start and size > budget:
+                runs.append((start, s, rows, self._bucket(longest)))
+                start, rows, seen, longest = s, [], set(), 0
+                new = [int(r) for r in dict.fromkeys(pick.tolist())]
+                grown = max(lengths[r] for r in new)
+            rows, longest = rows + new, grown
+            seen.update(new)
+        runs.append((start, len(picks), rows, self._bucket(longest)))
+        return runs
 
     def fit(
         self,
@@ -147,21 +231,35 @@ class DraftFitter:
         keep = [i for i, r in enumerate(rows) if min(len(r), self.seq_len) >= 3]
         if not keep:
             raise ConfigError("DraftFitter.fit: no row of at least 3 tokens")
-        ids, seg, sampled = pad_rows(
-            [rows[i] for i in keep], self.seq_len, None if masks is None else [masks[i] for i in keep]
-        )
-        model_state = nnx.state(model)
         rng = self._rng if seed is None else np.random.default_rng(seed)
+        picks = [
+            rng.choice(len(keep), size=self.batch_size, replace=len(keep) < self.batch_size)
+            for _ in range(steps)
+        ]
+        lengths = [min(len(rows[i]), self.seq_len) for i in keep]
+        model_state = nnx.state(model)
         put = _replicated_like(model_state)
-        losses = []
-        for i in range(steps):
-            pick = rng.choice(len(keep), size=self.batch_size, replace=len(keep) < self.batch_size)
-            self.params, self._opt_state, loss = self._step(
-                self.params, self._opt_state, model_state, put(ids[pick]), put(seg[pick]), put(sampled[pick])
+        losses, B = [], self.batch_size
+        self.counts = {"policy_rows": 0, "steps": 0}
+        for start, end, used, T in self._runs(picks, lengths):
+            n = _cached_rows(len(used), B)
+            order = used + [used[0]] * (n - len(used))  # filler rows, never drawn
+            ids, seg, sampled = pad_rows(
+                [rows[keep[r]] for r in order], T, None if masks is None else [masks[keep[r]] for r in order]
             )
-            losses.append(float(loss))
-            if log is not None and (i == 0 or (i + 1) % max(1, steps // 10) == 0):
-                log(f"fit_mtp: step {i + 1}/{steps} loss {losses[-1]:.4f}")
+            h = self._teach(model_state, put(ids.reshape(n // B, B, T)), put(seg.reshape(n // B, B, T)))
+            ids, seg, sampled = put(ids), put(seg), put(sampled)
+            where = {r: j for j, r in enumerate(used)}
+            self.counts["policy_rows"] += n
+            for i in range(start, end):
+                pick = np.asarray([where[int(r)] for r in picks[i]], np.int32)
+                self.params, self._opt_state, loss = self._step(
+                    self.params, self._opt_state, model_state, h, ids, seg, sampled, put(pick)
+                )
+                losses.append(float(loss))
+                self.counts["steps"] += 1
+                if log is not None and (i == 0 or (i + 1) % max(1, steps // 10) == 0):
+                    log(f"fit_mtp: step {i + 1}/{steps} loss {losses[-1]:.4f}")
         return losses
 
     def module(self) -> Any:
