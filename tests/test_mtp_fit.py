@@ -104,6 +104,10 @@ def test_fit_settings_are_checked(ckpt):
         fit_mtp(model, mtp, [[1, 2, 3], [4]], steps=1)
     with pytest.raises(ConfigError, match="learning_rate"):
         fit_mtp(model, mtp, [[1, 2, 3]], steps=1, learning_rate=0.0)
+    from tmax_jax.train.mtp_fit import DraftFitter
+
+    with pytest.raises(ConfigError, match="cache_bytes must be an integer >= 0, got -1"):
+        DraftFitter(model, mtp, learning_rate=1e-3, batch_size=2, seq_len=8, cache_bytes=-1)
 
 
 def test_fit_mtp_command(tmp_path, capsys):
