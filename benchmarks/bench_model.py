@@ -162,6 +162,7 @@ def bench_cpu(args) -> None:
         f"prefill  jax {tokens / jax_s:10.0f} tok/s   transformers {tokens / torch_s:10.0f} tok/s   "
         f"ratio jax/transformers = {torch_s / jax_s:.2f}x   (max |logit diff| {diff:.1e})"
     )
+    bench_engine_prefill(model, hf, ids, args.repeats)
     bound_s, gflop = matmul_bound(model, tokens, max(args.repeats, 3))
     print(
         f"matmul bound: the forward's {gflop:.0f} GFLOP of weight matmuls, each shape timed alone, take "
@@ -169,6 +170,52 @@ def bench_cpu(args) -> None:
         f"ceiling of the ratio {torch_s / bound_s:.2f}x"
     )
     bench_delta_rule(args.delta_seq, args.repeats)
+
+
+def bench_engine_prefill(model, hf, ids: np.ndarray, repeats: int) -> None:
+    """A request's prefill as the rollout engine runs it (its cache written, the first token drawn
+    from the last position's logits) against transformers' forward with its cache and only the last
+    logits (what its ``generate`` runs before the first token), one prompt at a time, same weights.
+    The engine's prompt cache is off, so every call prefills."""
+    import torch
+
+    from tmax_jax.engine import Engine
+
+    B, T = ids.shape
+    engine = Engine(
+        model, max_concurrent_decodes=B, max_cache_length=T + 8, max_prefill_length=T, prompt_cache_entries=0
+    )
+    params, firsts = engine.params, []
+
+    def jax_prefill():
+        firsts.clear()
+        for row in ids:
+            prefix, _ = engine.prefill(params=params, padded_tokens=row, true_length=T)
+            firsts.append(prefix)
+        jax.block_until_ready([(p.token, p.log_prob) for p in firsts])
+
+    def torch_prefill():
+        with torch.no_grad():
+            return [
+                hf(input_ids=torch.as_tensor(row[None], dtype=torch.long), use_cache=True, logits_to_keep=1)
+                .logits[0, -1]
+                .double()
+                .log_softmax(-1)
+                .numpy()
+                for row in ids
+            ]
+
+    jax_s, torch_s = best_of_interleaved([jax_prefill, torch_prefill], repeats)
+    jax_prefill()
+    ref = torch_prefill()
+    same = all(int(p.token[0]) == int(np.argmax(r)) for p, r in zip(firsts, ref))
+    diff = max(abs(float(p.log_prob[0]) - r[int(p.token[0])]) for p, r in zip(firsts, ref))
+    tokens = B * T
+    print(
+        f"engine prefill (cache + first token)  jax {tokens / jax_s:8.0f} tok/s   transformers "
+        f"{tokens / torch_s:8.0f} tok/s   ratio = {torch_s / jax_s:.2f}x   (greedy first token "
+        f"{'the same' if same else 'DIFFERENT'}, |logprob diff| {diff:.1e})"
+    )
 
 
 def bench_delta_rule(seq: int, repeats: int, heads: int = 16, dk: int = 128, dv: int = 128) -> None:

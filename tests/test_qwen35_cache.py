@@ -2,6 +2,7 @@
 which test_qwen35_parity ties to transformers)."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +82,58 @@ def test_prefill_then_decode_equals_full_forward_with_different_row_lengths(mode
         )
     np.testing.assert_array_equal(np.asarray(cache.lengths), lens + steps)
     assert all(a.dtype == jnp.float32 for a in cache.recurrent)
+
+
+@pytest.mark.parametrize("query_block", [1024, 64])
+def test_fresh_cache_prefill_attends_its_own_tokens(model, pure, query_block):
+    """``fresh_cache=True`` (the engine's first prefill of a request): attention reads the chunk's
+    own keys causally instead of masking the whole cache. Against the full forward (tied to
+    transformers) and the masked-cache prefill, with right-padded rows longer than one causal block:
+    the same logits at valid tokens, the same cache, and decoding on from it gives the full
+    forward's logits. ``query_block`` 64 sends both through the blockwise (flash) form."""
+    from tmax_jax.rl.logprobs import head_logits
+
+    state, _, full = pure
+    if query_block != 1024:
+        model = nnx.clone(model)
+        for layer in model.blocks.layers:
+            if hasattr(layer, "self_attn"):
+                layer.self_attn.query_block = query_block
+    graphdef, state = nnx.split(model)
+
+    @functools.partial(jax.jit, static_argnums=4)
+    def prefill(state, ids, seg, cache, fresh):
+        m = nnx.merge(graphdef, state)
+        h, cache = m.hidden_states(ids, segment_ids=seg, cache=cache, fresh_cache=fresh)
+        return head_logits(h, m.lm_head_weight()), cache
+
+    step = jax.jit(lambda state, ids, cache: nnx.merge(graphdef, state)(ids, cache=cache))
+    rng = np.random.default_rng(7)
+    lens, T, steps = np.array([300, 170]), 300, 3
+    ids = rng.integers(0, 512, (2, T + steps)).astype(np.int32)
+    ref = np.asarray(
+        full(state, ids, (np.arange(T + steps)[None] < (lens[:, None] + steps)).astype(np.int32))
+    )
+    seg = (np.arange(T)[None] < lens[:, None]).astype(np.int32)
+    prompt = np.where(seg > 0, ids[:, :T], 0).astype(np.int32)
+    out = {}
+    for fresh in (True, False):
+        out[fresh] = prefill(state, prompt, seg, model.init_cache(2, 320, dtype=jnp.float32), fresh)
+    (logits, cache), (masked_logits, masked_cache) = out[True], out[False]
+    for b in range(2):
+        n = lens[b]
+        np.testing.assert_allclose(np.asarray(logits)[b, :n], ref[b, :n], atol=2e-5, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(logits)[b, :n], np.asarray(masked_logits)[b, :n], atol=2e-5)
+    for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(masked_cache)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), lens)
+    for s in range(steps):
+        logits, cache = step(state, ids[np.arange(2), lens + s][:, None], cache)
+        np.testing.assert_allclose(
+            np.asarray(logits)[:, 0], ref[np.arange(2), lens + s], atol=2e-5, rtol=1e-4
+        )
+    with pytest.raises(ValueError, match="fresh_cache describes a cache"):
+        model.hidden_states(prompt, fresh_cache=True)
 
 
 def test_multi_turn_prefill_on_top_of_a_cache_then_decode(model, pure):

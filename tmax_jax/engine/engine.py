@@ -595,7 +595,7 @@ class Engine(EngineAPI):
         mtp_model = nnx.merge(self._mtp_graphdef, mtp)
         _, kv = mtp_model(
             model.embed_tokens[...], h_BxTxD, next_BxT, positions, valid_BxT.astype(jnp.int32),
-            self._mtp_kv(cache), start_B,
+            self._mtp_kv(cache), start_B, fresh_cache=base_B is None,
         )  # fmt: skip
         last_B = jnp.maximum(true_len_B - 1, 0)
         last_BxD = jnp.take_along_axis(hidden_BxTxD, last_B[:, None, None], axis=1)[:, 0]
@@ -613,7 +613,9 @@ class Engine(EngineAPI):
         model, periods = self._merge(params)
         segment_BxT = (jnp.arange(T)[None, :] < true_len_B[:, None]).astype(jnp.int32)
         cache = self._init_cache(model, B, attend)
-        hidden_BxTxD, cache = self._hidden(model, periods, tokens_BxT, segment_ids=segment_BxT, cache=cache)
+        hidden_BxTxD, cache = self._hidden(
+            model, periods, tokens_BxT, segment_ids=segment_BxT, cache=cache, fresh_cache=True
+        )
         if mtp is not None:
             cache = self._draft_prefill(model, mtp, cache, hidden_BxTxD, tokens_BxT, true_len_B, None)
         if attend < self._max_len:

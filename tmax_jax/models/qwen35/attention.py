@@ -308,10 +308,15 @@ class GatedAttention(nnx.Module):
         kv_cache: tuple[jax.Array, jax.Array] | None = None,
         lengths_B: jax.Array | None = None,
         stages: bool = False,
+        fresh: bool = False,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """``stages`` (training without a cache; ``remat="full"``): the projections, norms and rope
         before attention and the gate and output projection after it run in chunks of
-        ``token_chunk`` tokens, each with its own backward (remat.tokenwise_chunked)."""
+        ``token_chunk`` tokens, each with its own backward (remat.tokenwise_chunked). ``fresh`` (with
+        a cache that holds nothing yet, every row's length 0; the caller's promise): the new tokens
+        are written to the cache as always, but attention reads their own keys as causal
+        self-attention (query blocks skip the keys after them; past one block the O(T) kernels)
+        instead of masking the whole cache: the same values at every valid token."""
         dt, hd = self.dtype, self.head_dim
         B, T, _ = x_BxTxD.shape
         stages = stages and kv_cache is None
@@ -356,8 +361,15 @@ class GatedAttention(nnx.Module):
             q_seg_BxT = jnp.ones((B, T), jnp.int32)
             k_seg_BxS = (k_idx_S[None, :] < new_len_B[:, None]).astype(jnp.int32)
 
+        head_major = kv_cache is not None
+        if fresh and kv_cache is not None:
+            # Row b's valid tokens are slots 0..n_b - 1, all of the cache's content: the chunk's own
+            # keys, causally, are exactly what the cache would show each of them.
+            keys, values, head_major = k_BxTxGxE, v_BxTxGxE, False
+            q_idx_BxT, k_idx_S = jnp.broadcast_to(jnp.arange(T), (B, T)), jnp.arange(T)
+            q_seg_BxT = k_seg_BxS = valid_BxT.astype(jnp.int32)
         H = q_BxTxHxE.shape[2]
-        G = keys.shape[1] if kv_cache is not None else keys.shape[2]
+        G = keys.shape[1] if head_major else keys.shape[2]
         q_BxTxGxRxE = q_BxTxHxE.reshape(B, T, G, H // G, hd)
         attn_BxTxGxRxE = masked_attention(
             q_BxTxGxRxE,
@@ -368,8 +380,8 @@ class GatedAttention(nnx.Module):
             k_idx_S,
             k_seg_BxS,
             block=self.query_block,
-            causal_self=kv_cache is None,
-            head_major=kv_cache is not None,
+            causal_self=not head_major,
+            head_major=head_major,
             kernels=self.kernels,
         )
         attn_BxTxHxE = attn_BxTxGxRxE.reshape(B, T, H, hd)

@@ -74,6 +74,7 @@ def _mix_half(layer: DecoderLayer, norm_w, mixer, x, ctx, layer_cache, stages: b
                 kv_cache=layer_cache,
                 lengths_B=ctx["lengths"],
                 stages=stages,
+                fresh=ctx.get("fresh_cache", False),
             )
     else:
         with jax.named_scope("gated_deltanet"):

@@ -170,6 +170,7 @@ class Qwen35ForCausalLM(nnx.Module):
         return_routing: bool = False,
         periods: tuple | None = None,
         keep_states: bool = False,
+        fresh_cache: bool = False,
     ):
         """Final-norm hidden states ``[B, T, D]``, then, each only when asked for: the new cache
         (given one), a ``RouterStats``, the expert ids used (a tuple when more than one).
@@ -191,6 +192,11 @@ class Qwen35ForCausalLM(nnx.Module):
         new cache entries hold its state after every token (``conv [B, T, K, C]``, ``recurrent
         [B, T, H, dk, dv]``), for a caller that keeps only a prefix of the tokens (speculative
         decoding's verify step picks the state after the last accepted one).
+
+        ``fresh_cache`` (with a cache that holds no token yet: every row's length 0, the caller's
+        promise): the new tokens are cached as always, but each attention layer attends over their
+        own keys as causal self-attention (query blocks skip the keys after them; past one block the
+        O(T) kernels) instead of masking the whole cache. Same values at every valid token.
         """
         cfg = self.config
         if router_stats and (cache is not None or not cfg.is_moe):
@@ -241,7 +247,11 @@ class Qwen35ForCausalLM(nnx.Module):
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, cfg.yarn)
         if keep_states and (cache is None or periods is None):
             raise ValueError("keep_states needs a cache and per-period weights (periods)")
+        if fresh_cache and cache is None:
+            raise ValueError("fresh_cache describes a cache: pass one")
         ctx = dict(cos=cos, sin=sin, segment_ids=segment_ids, groups=groups, lengths=lengths)
+        if fresh_cache:
+            ctx["fresh_cache"] = True
         if keep_states:
             ctx["keep_states"] = True
         collect = (("router_stats",) if router_stats else ()) + (("experts",) if return_routing else ())

@@ -54,14 +54,15 @@ class MultiTokenPredictor(nnx.Module):
         return (batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
 
     def __call__(self, embed_VxD, hidden_BxTxD, next_ids_BxT, positions_BxT, segment_ids_BxT,
-                 kv: tuple | None = None, lengths_B=None):  # fmt: skip
+                 kv: tuple | None = None, lengths_B=None, fresh_cache: bool = False):  # fmt: skip
         """(final-norm MTP hidden states ``[B, T, D]``, new ``kv``).
 
         ``embed_VxD``: the target's token embedding. ``hidden_BxTxD``: the target's (or, when
         drafting further ahead, this module's own) final-norm hidden states; ``next_ids_BxT``: the
         token after each position. ``kv``: ((k, v) per layer) with ``lengths_B`` tokens cached per
         row, written at ``lengths_B + t`` for valid tokens (segment id > 0), or None (no cache:
-        ``segment_ids`` pack sequences as in the target's forward)."""
+        ``segment_ids`` pack sequences as in the target's forward). ``fresh_cache``: ``kv`` holds
+        nothing yet (``Qwen35ForCausalLM.hidden_states``' flag of that name)."""
         cfg, dt = self.config, self.dtype
         eps, zc = cfg.rms_norm_eps, cfg.zero_centred_norms
         e_BxTxD = jnp.take(embed_VxD, next_ids_BxT, axis=0).astype(dt)
@@ -73,6 +74,8 @@ class MultiTokenPredictor(nnx.Module):
         cos, sin = rope_cos_sin(positions_BxT, cfg.rotary_dim, cfg.rope_theta, cfg.yarn)
         seg = jnp.asarray(segment_ids_BxT).astype(jnp.int32)
         ctx = dict(cos=cos, sin=sin, segment_ids=seg, groups=None, lengths=lengths_B)
+        if fresh_cache and kv is not None:
+            ctx["fresh_cache"] = True
         graphdef, state = nnx.split(self.layers)
         new_kv = []
         for i in range(self.num_layers):
