@@ -111,10 +111,14 @@ def _check_settings(who: str, **ints) -> None:
             raise ConfigError(f"{who}: {name} must be a positive integer, got {v!r}")
 
 
+def _pow2_at_least(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
 def _cached_rows(n: int, batch: int) -> int:
     """Rows of a cached policy forward over ``n`` rows: whole batches, a power of two of them (few
     distinct shapes to compile)."""
-    return batch * (1 << (-(-n // batch) - 1).bit_length())
+    return batch * _pow2_at_least(-(-n // batch))
 
 
 class DraftFitter:
@@ -188,28 +192,23 @@ class DraftFitter:
         self._step = launch.jit(step)
 
     def _bucket(self, n: int) -> int:
-        return min(self.seq_len, max(16, 1 << (max(n, 1) - 1).bit_length()))
+        return min(self.seq_len, max(16, _pow2_at_least(n)))
 
     def _runs(self, picks: list[np.ndarray], lengths: list[int]) -> list[tuple[int, int, list[int], int]]:
         """Consecutive steps that share one policy forward: (first step, end step, the rows they
         draw in order of first use, their length bucket). A run grows while its cached hidden
         states stay within one step's batch plus ``cache_bytes``."""
         budget = self.batch_size * self.seq_len * self._token_bytes + self.cache_bytes
-        runs, start, rows, seen, longest = [], 0, [], set(), 0
+        runs, start, rows, longest = [], 0, {}, 0  # rows: an ordered set, in order of first use
         for s, pick in enumerate(picks):
-            new = [int(r) for r in dict.fromkeys(pick.tolist()) if int(r) not in seen]
-            grown = max([longest] + [lengths[r] for r in new])
-            size = (
-                _cached_rows(len(rows) + len(new), self.batch_size) * self._bucket(grown) * self._token_bytes
-            )
+            drawn = dict.fromkeys(int(r) for r in pick)
+            grown = max(longest, *(lengths[r] for r in drawn))
+            size = _cached_rows(len(rows | drawn), self.batch_size) * self._bucket(grown) * self._token_bytes
             if s > start and size > budget:
-                runs.append((start, s, rows, self._bucket(longest)))
-                start, rows, seen, longest = s, [], set(), 0
-                new = [int(r) for r in dict.fromkeys(pick.tolist())]
-                grown = max(lengths[r] for r in new)
-            rows, longest = rows + new, grown
-            seen.update(new)
-        runs.append((start, len(picks), rows, self._bucket(longest)))
+                runs.append((start, s, list(rows), self._bucket(longest)))
+                start, rows, grown = s, {}, max(lengths[r] for r in drawn)
+            rows, longest = rows | drawn, grown
+        runs.append((start, len(picks), list(rows), self._bucket(longest)))
         return runs
 
     def fit(

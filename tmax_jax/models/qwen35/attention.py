@@ -336,12 +336,7 @@ class GatedAttention(nnx.Module):
 
         valid_BxT = segment_ids_BxT > 0
         new_cache = None
-        if kv_cache is None:
-            keys, values = k_BxTxGxE, v_BxTxGxE
-            q_idx_BxT = jnp.broadcast_to(jnp.arange(T), (B, T))
-            k_idx_S = jnp.arange(T)
-            q_seg_BxT, k_seg_BxS = segment_ids_BxT, segment_ids_BxT
-        else:
+        if kv_cache is not None:
             # (k, v) of this layer [B, G, S, E]; the new tokens are written in place.
             cache_k, cache_v = kv_cache
             S = cache_k.shape[2]
@@ -354,6 +349,16 @@ class GatedAttention(nnx.Module):
             cache_k = cache_k.at[at].set(k_BxTxGxE.astype(cache_k.dtype), mode="drop")
             cache_v = cache_v.at[at].set(v_BxTxGxE.astype(cache_v.dtype), mode="drop")
             new_cache = (cache_k, cache_v)
+        head_major = kv_cache is not None and not fresh
+        if not head_major:
+            # Causal self-attention over the new tokens: without a cache, or with a fresh one, where
+            # row b's valid tokens are slots 0..n_b - 1, all the cache holds (one sequence per row).
+            keys, values = k_BxTxGxE, v_BxTxGxE
+            q_idx_BxT = jnp.broadcast_to(jnp.arange(T), (B, T))
+            k_idx_S = jnp.arange(T)
+            q_seg_BxT = segment_ids_BxT if kv_cache is None else valid_BxT.astype(jnp.int32)
+            k_seg_BxS = q_seg_BxT
+        else:
             keys, values = cache_k.astype(dt), cache_v.astype(dt)
             new_len_B = lengths_B + valid_BxT.sum(-1).astype(lengths_B.dtype)
             q_idx_BxT, k_idx_S = slot_BxT, jnp.arange(S)
@@ -361,13 +366,6 @@ class GatedAttention(nnx.Module):
             q_seg_BxT = jnp.ones((B, T), jnp.int32)
             k_seg_BxS = (k_idx_S[None, :] < new_len_B[:, None]).astype(jnp.int32)
 
-        head_major = kv_cache is not None
-        if fresh and kv_cache is not None:
-            # Row b's valid tokens are slots 0..n_b - 1, all of the cache's content: the chunk's own
-            # keys, causally, are exactly what the cache would show each of them.
-            keys, values, head_major = k_BxTxGxE, v_BxTxGxE, False
-            q_idx_BxT, k_idx_S = jnp.broadcast_to(jnp.arange(T), (B, T)), jnp.arange(T)
-            q_seg_BxT = k_seg_BxS = valid_BxT.astype(jnp.int32)
         H = q_BxTxHxE.shape[2]
         G = keys.shape[1] if head_major else keys.shape[2]
         q_BxTxGxRxE = q_BxTxHxE.reshape(B, T, G, H // G, hd)
