@@ -55,8 +55,8 @@ def test_mtp_module_matches_transformers_layers(ckpt):
     out, _ = mtp(embed, hidden, ids, pos, np.ones((B, T), np.int32))
     np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5, rtol=1e-5)
     # With a KV cache, in two calls (the second row's first call has a pad at its end).
-    shape = (B, model.config.num_key_value_heads, 32, model.config.head_dim)
-    kv = ((jnp.zeros(shape), jnp.zeros(shape)),)
+    k_shape, v_shape = mtp.kv_shapes(B, 32)
+    kv = ((jnp.zeros(k_shape), jnp.zeros(v_shape)),)
     seg = np.ones((B, 5), np.int32)
     seg[1, 4] = 0
     first, kv = mtp(embed, hidden[:, :5], ids[:, :5], pos[:, :5], seg, kv, jnp.zeros((B,), jnp.int32))

@@ -175,10 +175,15 @@ def test_right_padding_leaves_the_cache_exactly_as_the_unpadded_prefill(model, p
         np.stack(padded.recurrent)[:, 1], np.stack(unpadded.recurrent)[:, 0], atol=1e-6
     )
     np.testing.assert_allclose(np.stack(padded.conv)[:, 1], np.stack(unpadded.conv)[:, 0], atol=1e-6)
+    # Keys [B, G, E, S], values [B, G, S, E] (per layer, stacked here).
     np.testing.assert_allclose(
-        np.stack(padded.k)[:, 1, :, :50], np.stack(unpadded.k)[:, 0, :, :50], atol=1e-6
+        np.stack(padded.k)[:, 1, ..., :50], np.stack(unpadded.k)[:, 0, ..., :50], atol=1e-6
     )
-    assert not np.stack(padded.k)[:, 1, :, 50:].any(), "pads must not be written to the KV cache"
+    np.testing.assert_allclose(
+        np.stack(padded.v)[:, 1, :, :50], np.stack(unpadded.v)[:, 0, :, :50], atol=1e-6
+    )
+    assert not np.stack(padded.k)[:, 1, ..., 50:].any(), "pads must not be written to the KV cache"
+    assert not np.stack(padded.v)[:, 1, :, 50:].any(), "pads must not be written to the KV cache"
 
 
 def test_packed_segments_equal_separate_forwards(model, pure):
@@ -288,7 +293,9 @@ def test_cache_layout_reset_rows_and_pytree(model):
     assert isinstance(cache, Qwen35Cache)
     # One K and one V buffer per attention layer (decode reads and writes them in place).
     assert len(cache.k) == len(cache.v) == cfg.num_full_layers
-    for a in cache.k + cache.v:
+    for a in cache.k:  # keys with positions minor: decode's scores are a plain matmul per head
+        assert a.shape == (3, cfg.num_key_value_heads, cfg.head_dim, 32) and a.dtype == jnp.bfloat16
+    for a in cache.v:
         assert a.shape == (3, cfg.num_key_value_heads, 32, cfg.head_dim) and a.dtype == jnp.bfloat16
     assert len(cache.conv) == len(cache.recurrent) == cfg.num_linear_layers
     for a in cache.conv:
@@ -313,10 +320,11 @@ def test_cache_layout_reset_rows_and_pytree(model):
     assert len(jax.tree.leaves(cache)) == 1 + 2 * cfg.num_full_layers + 2 * cfg.num_linear_layers
     # narrow / widen_into: attention reads a prefix of every layer's keys, written back in place.
     small = filled.narrow(16)
-    assert all(a.shape[2] == 16 for a in small.k + small.v) and small.max_len == 16
+    assert all(a.shape[3] == 16 for a in small.k) and all(a.shape[2] == 16 for a in small.v)
+    assert small.max_len == 16
     back = small.replace(k=tuple(a * 2 for a in small.k)).widen_into(filled)
     kb = np.stack(back.k).astype(np.float32)
-    assert (kb[..., :16, :] == 2).all() and (kb[..., 16:, :] == 1).all() and back.max_len == 32
+    assert (kb[..., :16] == 2).all() and (kb[..., 16:] == 1).all() and back.max_len == 32
 
 
 def test_bad_inputs_are_named_errors(model):

@@ -537,15 +537,16 @@ class Engine(EngineAPI):
         cache = model.init_cache(batch, length, dtype=self._cache_dtype)
         if not self._draft_k:
             return cache
-        shape = (batch, model.config.num_key_value_heads, length, model.config.head_dim)
-        extra = tuple(jnp.zeros(shape, self._cache_dtype) for _ in range(self._mtp_layers))
+        k_shape, v_shape = cache.kv_shapes(model.config, batch, length)
+        extra_k = tuple(jnp.zeros(k_shape, self._cache_dtype) for _ in range(self._mtp_layers))
+        extra_v = tuple(jnp.zeros(v_shape, self._cache_dtype) for _ in range(self._mtp_layers))
         k1, D = self._draft_k + 1, model.config.hidden_size
         draft = dict(
             hidden=jnp.zeros((batch, k1, D), model.dtype),
             ids=jnp.zeros((batch, k1), jnp.int32),
             n=jnp.zeros((batch,), jnp.int32),
         )
-        return cache.replace(k=cache.k + extra, v=cache.v + extra, draft=draft)
+        return cache.replace(k=cache.k + extra_k, v=cache.v + extra_v, draft=draft)
 
     def _mtp_kv(self, cache):
         n = self._n_full

@@ -23,16 +23,22 @@ FLASH_BLOCK = 512  # past it, query and key blocks of the flash form
 SPLASH_BLOCK = 512  # the TPU kernel's block; rows whose length it does not divide use the flash form
 
 
-def _attend(q_BxTxGxRxE, k_BxGxSxE, v_BxGxSxE, mask_BxTxS):
+def _attend(q_BxTxGxRxE, k_BxGxSxE, v_BxGxSxE, mask_BxTxS, keys_transposed=False):
     """Softmax attention of every query of ``q`` over the keys where the mask is True.
 
     The R query heads sharing a kv head are folded into the rows ([B, G, T*R, E], one matmul per kv
     head against its keys) rather than broadcast as an extra batch dimension: XLA then emits a few
     large matmuls instead of many small ones (2-3x faster on CPU at T=1024). Scores, mask and
-    softmax in float32; the probabilities are cast to the compute dtype for the value matmul."""
+    softmax in float32; the probabilities are cast to the compute dtype for the value matmul.
+    ``keys_transposed``: keys come as ``[B, G, E, S]`` (the decode cache's layout)."""
     B, T, G, R, E = q_BxTxGxRxE.shape
     q_BxGxNxE = q_BxTxGxRxE.transpose(0, 2, 1, 3, 4).reshape(B, G, T * R, E)
-    scores = jnp.einsum("bgne,bgse->bgns", q_BxGxNxE, k_BxGxSxE, preferred_element_type=jnp.float32)
+    scores = jnp.einsum(
+        "bgne,bges->bgns" if keys_transposed else "bgne,bgse->bgns",
+        q_BxGxNxE,
+        k_BxGxSxE,
+        preferred_element_type=jnp.float32,
+    )
     S = scores.shape[-1]
     scores_BxGxTxRxS = scores.reshape(B, G, T, R, S) * (E**-0.5)
     scores_BxGxTxRxS = jnp.where(mask_BxTxS[:, None, :, None, :], scores_BxGxTxRxS, MASKED)
@@ -42,11 +48,12 @@ def _attend(q_BxTxGxRxE, k_BxGxSxE, v_BxGxSxE, mask_BxTxS):
 
 
 def _unblocked(q, k, v, q_idx, q_seg, k_idx, k_seg, head_major=False):
-    """Keys and values ``[B, S, G, E]``, or ``[B, G, S, E]`` with ``head_major``."""
+    """Keys and values ``[B, S, G, E]``, or with ``head_major`` the cache's keys ``[B, G, E, S]`` and
+    values ``[B, G, S, E]``."""
     mask_BxTxS = (k_idx[None, None, :] <= q_idx[:, :, None]) & (k_seg[:, None, :] == q_seg[:, :, None])
     if not head_major:
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    return _attend(q, k, v, mask_BxTxS)
+    return _attend(q, k, v, mask_BxTxS, keys_transposed=head_major)
 
 
 def _causal_unblocked(q_BxTxGxRxE, k_BxTxGxE, v_BxTxGxE, seg_BxT, block: int = CAUSAL_BLOCK):
@@ -237,11 +244,11 @@ def masked_attention(
     attention (``jax.nn.dot_product_attention``) is not used: its public API takes no segment ids,
     and packing needs them.
 
-    ``head_major``: keys and values come as ``[B, G, S, E]`` (the decode cache's layout) instead of
-    ``[B, S, G, E]``. ``kernels``: the ``attention_kernels`` choice for causal self-attention past one
+    ``head_major``: keys and values come in the decode cache's layout, keys ``[B, G, E, S]`` and
+    values ``[B, G, S, E]``, instead of ``[B, S, G, E]``. ``kernels``: the ``attention_kernels`` choice for causal self-attention past one
     block (``attention_kernel``).
     """
-    T, S = q_BxTxGxRxE.shape[1], k_BxSxGxE.shape[2 if head_major else 1]
+    T, S = q_BxTxGxRxE.shape[1], v_BxSxGxE.shape[2 if head_major else 1]
     # A few queries over a long cache (decode, short prefill chunks) stay unblocked as long as their
     # scores are no bigger than one block's: padding them to a query block would multiply the work.
     if T <= block and (S <= block or T * S <= block * block):
@@ -251,7 +258,7 @@ def masked_attention(
             q_BxTxGxRxE, k_BxSxGxE, v_BxSxGxE, q_idx_BxT, q_seg_BxT, k_idx_S, k_seg_BxS, head_major
         )
     if head_major:
-        k_BxSxGxE, v_BxSxGxE = k_BxSxGxE.transpose(0, 2, 1, 3), v_BxSxGxE.transpose(0, 2, 1, 3)
+        k_BxSxGxE, v_BxSxGxE = k_BxSxGxE.transpose(0, 3, 1, 2), v_BxSxGxE.transpose(0, 2, 1, 3)
     if causal_self:
         form, interpret = attention_kernel(kernels, T)
         if form == "splash":
@@ -337,17 +344,19 @@ class GatedAttention(nnx.Module):
         valid_BxT = segment_ids_BxT > 0
         new_cache = None
         if kv_cache is not None:
-            # (k, v) of this layer [B, G, S, E]; the new tokens are written in place.
+            # This layer's keys [B, G, E, S] and values [B, G, S, E]; the new tokens are written in place.
             cache_k, cache_v = kv_cache
-            S = cache_k.shape[2]
+            S = cache_v.shape[2]
             slot_BxT = lengths_B[:, None] + jnp.arange(T)[None, :]
             # Pads write out of bounds, which mode="drop" discards: the cache never sees them.
             rows = jnp.arange(B)[:, None]
             write_BxT = jnp.where(valid_BxT, slot_BxT, S)
-            # Row b's token t goes to [b, :, write[b, t]] (the indexed dims lead the update: [B, T, G, E]).
-            at = (rows, slice(None), write_BxT)
-            cache_k = cache_k.at[at].set(k_BxTxGxE.astype(cache_k.dtype), mode="drop")
-            cache_v = cache_v.at[at].set(v_BxTxGxE.astype(cache_v.dtype), mode="drop")
+            # Row b's token t goes to position write[b, t] of row b (the indexed dims lead the
+            # update, [B, T, G, E], for both layouts).
+            at_k = (rows, slice(None), slice(None), write_BxT)
+            at_v = (rows, slice(None), write_BxT)
+            cache_k = cache_k.at[at_k].set(k_BxTxGxE.astype(cache_k.dtype), mode="drop")
+            cache_v = cache_v.at[at_v].set(v_BxTxGxE.astype(cache_v.dtype), mode="drop")
             new_cache = (cache_k, cache_v)
         head_major = kv_cache is not None and not fresh
         if not head_major:
@@ -367,7 +376,7 @@ class GatedAttention(nnx.Module):
             k_seg_BxS = (k_idx_S[None, :] < new_len_B[:, None]).astype(jnp.int32)
 
         H = q_BxTxHxE.shape[2]
-        G = keys.shape[1] if head_major else keys.shape[2]
+        G = values.shape[1] if head_major else values.shape[2]
         q_BxTxGxRxE = q_BxTxHxE.reshape(B, T, G, H // G, hd)
         attn_BxTxGxRxE = masked_attention(
             q_BxTxGxRxE,

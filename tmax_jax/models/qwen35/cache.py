@@ -21,9 +21,12 @@ from tmax_jax.models.qwen35.config import Qwen35Config
 @dataclasses.dataclass(frozen=True)
 class Qwen35Cache:
     lengths: jax.Array  # int32 [B]: valid tokens so far per row
-    # Head-major, so that decode attention reads each head's keys as one [max_len, head_dim] matrix
-    # (a [.., max_len, heads, ..] layout costs a transposed copy of every layer's cache per step).
-    k: tuple[jax.Array, ...]  # per attention layer: [B, num_kv_heads, max_len, head_dim] (cache dtype)
+    # Head-major, so that decode attention reads each head's keys and values as one matrix (a
+    # [.., max_len, heads, ..] layout costs a transposed copy of every layer's cache per step). Keys
+    # with positions minor, [head_dim, max_len]: the scores q K are a plain matrix product per head,
+    # which XLA's CPU backend runs 1.8-4x faster than q against [max_len, head_dim] keys (a decode
+    # step over 1,024-16,384 cached keys: 10-25% faster); values stay [max_len, head_dim] for p V.
+    k: tuple[jax.Array, ...]  # per attention layer: [B, num_kv_heads, head_dim, max_len] (cache dtype)
     v: tuple[jax.Array, ...]  # per attention layer: [B, num_kv_heads, max_len, head_dim] (cache dtype)
     conv: tuple[jax.Array, ...]  # per DeltaNet layer: [B, K, conv_dim] (cache dtype), its last K inputs
     recurrent: tuple[jax.Array, ...]  # per DeltaNet layer: [B, Hv, dk, dv] float32
@@ -34,7 +37,7 @@ class Qwen35Cache:
     @classmethod
     def create(cls, cfg: Qwen35Config, batch_size: int, max_len: int, dtype=jnp.bfloat16) -> Qwen35Cache:
         La, Ll = cfg.num_full_layers, cfg.num_linear_layers
-        kv_shape = (batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        k_shape, v_shape = cls.kv_shapes(cfg, batch_size, max_len)
         conv_shape = (batch_size, cfg.linear_conv_kernel_dim, cfg.conv_dim)
         rec_shape = (
             batch_size,
@@ -44,11 +47,19 @@ class Qwen35Cache:
         )
         return cls(
             lengths=jnp.zeros((batch_size,), jnp.int32),
-            k=tuple(jnp.zeros(kv_shape, dtype) for _ in range(La)),
-            v=tuple(jnp.zeros(kv_shape, dtype) for _ in range(La)),
+            k=tuple(jnp.zeros(k_shape, dtype) for _ in range(La)),
+            v=tuple(jnp.zeros(v_shape, dtype) for _ in range(La)),
             conv=tuple(jnp.zeros(conv_shape, dtype) for _ in range(Ll)),
             recurrent=tuple(jnp.zeros(rec_shape, jnp.float32) for _ in range(Ll)),
         )
+
+    @staticmethod
+    def kv_shapes(
+        cfg: Qwen35Config, batch_size: int, max_len: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(key shape, value shape) of one attention layer's cache."""
+        G, E = cfg.num_key_value_heads, cfg.head_dim
+        return (batch_size, G, E, max_len), (batch_size, G, max_len, E)
 
     @property
     def batch_size(self) -> int:
@@ -57,7 +68,7 @@ class Qwen35Cache:
     @property
     def max_len(self) -> int | None:
         """KV positions per row (None without attention layers: nothing to narrow)."""
-        return self.k[0].shape[2] if self.k else None
+        return self.v[0].shape[2] if self.v else None
 
     def stacked(self) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """(k, v, conv, recurrent), each stacked over its layers (leading axis; copies)."""
@@ -92,7 +103,7 @@ class Qwen35Cache:
         if not self.k or length >= self.max_len:
             return self
         return self.replace(
-            k=tuple(a[:, :, :length] for a in self.k), v=tuple(a[:, :, :length] for a in self.v)
+            k=tuple(a[..., :length] for a in self.k), v=tuple(a[:, :, :length] for a in self.v)
         )
 
     def widen_into(self, full: Qwen35Cache) -> Qwen35Cache:
@@ -100,10 +111,10 @@ class Qwen35Cache:
         if self.max_len == full.max_len:
             return self
 
-        def put(bigs, smalls):
+        def put(bigs, smalls, axis):
             return tuple(
-                jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), 0, axis=2)
+                jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), 0, axis=axis)
                 for big, small in zip(bigs, smalls)
             )
 
-        return self.replace(k=put(full.k, self.k), v=put(full.v, self.v))
+        return self.replace(k=put(full.k, self.k, 3), v=put(full.v, self.v, 2))

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tmax_jax.models.qwen35.block import DecoderLayer
+from tmax_jax.models.qwen35.cache import Qwen35Cache
 from tmax_jax.models.qwen35.config import FULL, Qwen35Config
 from tmax_jax.models.qwen35.norms import norm_init_value, rms_norm
 from tmax_jax.models.qwen35.params import constant, make_param, normal
@@ -48,10 +49,9 @@ class MultiTokenPredictor(nnx.Module):
         )
         self.norm = make_param(rngs, norm_init, (D,), ("norm",), param_dtype, None)
 
-    def kv_shapes(self, batch_size: int, max_len: int) -> tuple[int, ...]:
-        """One layer's K (or V) cache shape, the target's attention-layer layout."""
-        cfg = self.config
-        return (batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
+    def kv_shapes(self, batch_size: int, max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One layer's (K, V) cache shapes, the target's attention-layer layout."""
+        return Qwen35Cache.kv_shapes(self.config, batch_size, max_len)
 
     def __call__(self, embed_VxD, hidden_BxTxD, next_ids_BxT, positions_BxT, segment_ids_BxT,
                  kv: tuple | None = None, lengths_B=None, fresh_cache: bool = False):  # fmt: skip
