@@ -319,7 +319,14 @@ def main() -> None:
         default="tiny",
         help="the generate() case again on this Qwen35Config preset's random weights ('' = skip)",
     )
-    ap.add_argument("--long-keys", type=int, default=4096, help="long-cache decode case: keys (0 = skip)")
+    ap.add_argument(
+        "--long-keys",
+        type=int,
+        nargs="*",
+        default=[4096],
+        help="long-cache decode case: cached keys (none = skip)",
+    )
+    ap.add_argument("--long-slots", type=int, nargs="+", default=[8], help="long-cache decode case: slots")
     ap.add_argument(
         "--speculative", type=int, nargs="*", default=[1, 3],
         help="speculative case (8 sequences): drafted tokens per step, each run with a random MTP module "
@@ -395,9 +402,10 @@ def main() -> None:
         print(f"generate() on the {args.api_preset!r} preset (hidden {small.hidden_size}, {small.num_hidden_layers} "
               f"layers), same shape: engine {a['tok_s']:.0f} tok/s, HF {a['hf_tok_s']:.0f} tok/s "
               f"({a['tok_s'] / a['hf_tok_s']:.1f}x)")  # fmt: skip
-    if args.long_keys > 0:
-        ms = bench_long(model, 8, args.long_keys, dtype)
-        print(f"long cache: 8 slots attending over {args.long_keys} keys: {ms:.2f} ms per decode step")
+    for slots in args.long_slots if args.long_keys else ():
+        for keys in args.long_keys:
+            ms = bench_long(model, slots, keys, dtype)
+            print(f"long cache: {slots} slots attending over {keys} keys: {ms:.2f} ms per decode step")
     if args.speculative:
         from tmax_jax.models.qwen35.mtp import MultiTokenPredictor
 
