@@ -245,8 +245,8 @@ def masked_attention(
     and packing needs them.
 
     ``head_major``: keys and values come in the decode cache's layout, keys ``[B, G, E, S]`` and
-    values ``[B, G, S, E]``, instead of ``[B, S, G, E]``. ``kernels``: the ``attention_kernels`` choice for causal self-attention past one
-    block (``attention_kernel``).
+    values ``[B, G, S, E]``, instead of ``[B, S, G, E]``. ``kernels``: the ``attention_kernels``
+    choice for causal self-attention past one block (``attention_kernel``).
     """
     T, S = q_BxTxGxRxE.shape[1], v_BxSxGxE.shape[2 if head_major else 1]
     # A few queries over a long cache (decode, short prefill chunks) stay unblocked as long as their
