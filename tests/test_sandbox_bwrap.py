@@ -316,6 +316,7 @@ sb = make_sandbox(SandboxConfig(cache_dir=sys.argv[1]))
 sb.shell().run("sleep 300 &")
 print(json.dumps({"child_pid": sb.child_pid, "run_dir": str(sb.run_dir), "stage": str(sb.stage), "cg": sb.cg.name if sb.cg else None}), flush=True)
 if sys.argv[2] == "raise":
+    sys.stdin.readline()  # the test counts the sandbox's processes first
     raise RuntimeError("boom")
 time.sleep(300)
 """
@@ -328,6 +329,7 @@ def test_cleanup_when_the_parent_dies(cfg, how):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     p = subprocess.Popen(
         [sys.executable, "-c", CHILD, cfg.cache_dir, how],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env,
@@ -335,8 +337,12 @@ def test_cleanup_when_the_parent_dies(cfg, how):
     info = json.loads(p.stdout.readline())
     ns = pid_ns(info["child_pid"])
     assert ns and len(procs_in_ns(ns)) >= 2
-    if how != "raise":
+    if how == "raise":  # raising had raced the count above: the child now waits for this line
+        p.stdin.write(b"\n")
+        p.stdin.flush()
+    else:
         p.send_signal({"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigint": signal.SIGINT}[how])
+    p.stdin.close()
     p.wait(timeout=30)
     deadline = time.monotonic() + 10
     while procs_in_ns(ns) and time.monotonic() < deadline:
