@@ -402,7 +402,7 @@ def main() -> None:
         print(f"generate() on the {args.api_preset!r} preset (hidden {small.hidden_size}, {small.num_hidden_layers} "
               f"layers), same shape: engine {a['tok_s']:.0f} tok/s, HF {a['hf_tok_s']:.0f} tok/s "
               f"({a['tok_s'] / a['hf_tok_s']:.1f}x)")  # fmt: skip
-    for slots in args.long_slots if args.long_keys else ():
+    for slots in args.long_slots:
         for keys in args.long_keys:
             ms = bench_long(model, slots, keys, dtype)
             print(f"long cache: {slots} slots attending over {keys} keys: {ms:.2f} ms per decode step")
