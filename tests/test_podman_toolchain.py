@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tmax_jax.sandbox.podman_toolchain import Watch, scan
+from tmax_jax.sandbox.podman_toolchain import Watch, scan, shadow_scan
 
 
 def _put(root: Path, rel: str, data: str = "x") -> Path:
@@ -66,6 +66,8 @@ TAMPERED = {
     "usr/lib/x86_64-linux-gnu/libc.so.6": "libc.so.6",
     "conftest.py": "/conftest.py",
     "pytest.ini": "/pytest.ini",
+    "pytest.toml": "/pytest.toml",  # pytest 9's own config names
+    ".pytest.toml": "/.pytest.toml",
 }
 
 
@@ -195,3 +197,24 @@ def test_package_metadata_linked_to_agent_files_is_found(layers, tmp_path, how):
             os.link(agent_file, info / "entry_points.txt")
     reason = scan(upper, lowers)
     assert reason is not None and "is a link" in reason, reason
+
+
+@pytest.mark.parametrize("how", ["file", "link"])
+def test_shadow_scan_finds_a_pytest_config_at_the_top(tmp_path, how):
+    """The agent's root as bwrap's verifier sees it: a config pytest reads from / is reported as a
+    file or as a link (the verifier's root rebuilds top-level links); the same names deeper down,
+    or a directory bearing one at the top, are the agent's own files."""
+    root = tmp_path / "state"
+    _put(root, "app/pytest.ini", "[pytest]\n")
+    _put(root, "app/sub/conftest.py")
+    (root / "setup.cfg").mkdir()
+    assert shadow_scan(root) is None
+    for name in ("conftest.py", "pytest.toml", ".pytest.ini"):
+        p = root / name
+        if how == "file":
+            p.write_text("[pytest]\n")
+        else:
+            p.symlink_to("/app/pytest.ini")
+        reason = shadow_scan(root)
+        assert reason is not None and f"/{name} was written" in reason, reason
+        p.unlink()

@@ -33,12 +33,13 @@ class EpisodeTimeout(SandboxError):
 # What a verifier sees of itself: a fixed PATH, a HOME and working directory the agent never wrote.
 VERIFIER_PATH = BASE_PATH
 # The verifier's Python puts no agent-writable directory before the standard library and
-# site-packages: PYTHONSAFEPATH keeps the working / script directory off the front of sys.path, and a
-# ``usercustomize`` under /tests (the verifier's own mount; see ``write_verifier_python``) appends it
-# at the end instead. ``python3 -m pkg`` from /app and a script's sibling modules still import, as
-# under Docker, but a ``pytest.py`` or ``json.py`` that a process the agent left plants in /app while
-# the tests run cannot stand in for the real one. The user base is that dir, so no user site of the
-# agent's (``~/.local``) is read.
+# site-packages: PYTHONSAFEPATH keeps the working / script directory off sys.path, and a
+# ``usercustomize`` under /tests (the verifier's own mount; see ``write_verifier_python``) adds a
+# finder that searches it after every other place instead. ``python3 -m pkg`` from /app and a
+# script's sibling modules still import, as under Docker, but a ``pytest.py`` or ``json.py`` that a
+# process the agent left plants in /app while the tests run cannot stand in for the real one, and a
+# ``*.dist-info`` there registers no pytest plugin (metadata is listed from sys.path only). The user
+# base is that dir, so no user site of the agent's (``~/.local``) is read.
 VERIFIER_PYTHON_DIR = "/tests/.tmax-verifier-python"
 VERIFIER_ENV = {
     "PATH": VERIFIER_PATH,
@@ -58,16 +59,30 @@ VERIFIER_PLUGIN_DIR = f"{VERIFIER_PYTHON_DIR}/plugins"
 VERIFIER_PLUGIN_ENV = {"PYTHONPATH": VERIFIER_PLUGIN_DIR, "PYTEST_PLUGINS": "tmax_ctrf"}
 
 _USERCUSTOMIZE = """\
-# Written by tmax-jax for the verifier: the directory Python would have put first on sys.path
-# (the working directory for -m / -c, else the script's) goes last, after the standard library.
+# Written by tmax-jax for the verifier. The directory Python would have put first on sys.path (the
+# working directory for -m / -c, else the script's) is searched last, after the standard library
+# and site-packages, and for modules only: it is not on sys.path, so package metadata there (a
+# *.dist-info whose entry points name a pytest plugin) is never listed.
+import importlib.machinery as _machinery
 import os as _os
 import sys as _sys
 
+
+class _TmaxLastDir:
+    path = ""
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if path is not None:  # a submodule: its package's __path__ is searched by the usual finder
+            return None
+        return _machinery.PathFinder.find_spec(name, [cls.path])
+
+
 _a = _sys.argv[0] if _sys.argv else ""
-_d = _os.getcwd() if _a in ("", "-m", "-c") else _os.path.dirname(_os.path.abspath(_a))
-if _d not in _sys.path:
-    _sys.path.append(_d)
-del _os, _sys, _a, _d
+_TmaxLastDir.path = _os.getcwd() if _a in ("", "-m", "-c") else _os.path.dirname(_os.path.abspath(_a))
+if _TmaxLastDir.path not in _sys.path:
+    _sys.meta_path.append(_TmaxLastDir)
+del _a
 """
 
 

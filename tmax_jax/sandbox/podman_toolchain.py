@@ -45,8 +45,20 @@ SPINE = (
     "lib",
     "lib64",
 )
+# What pytest reads from ``/``, the one directory above ``/tests``: a conftest.py (loaded once
+# ``/`` is the rootdir) and every config file name pytest 9 looks for (``addopts = -p module`` would
+# load a plugin of the agent's).
 ROOT_CONFIGS = frozenset(
-    {"conftest.py", "pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg"}
+    {
+        "conftest.py",
+        "pytest.toml",
+        ".pytest.toml",
+        "pytest.ini",
+        ".pytest.ini",
+        "pyproject.toml",
+        "tox.ini",
+        "setup.cfg",
+    }
 )
 # Imported by ``python3 -m pytest`` or at interpreter start-up, from the site dirs.
 PROTECTED_MODULES = frozenset(
@@ -490,7 +502,8 @@ def shadow_scan(root: str | os.PathLike, max_depth: int = 8, max_entries: int = 
     first on a verifier's sys.path, would replace pytest, its plugin machinery or a start-up hook:
     ``pytest.py``/``pytest.*.so``, a ``pytest/`` package (with ``__init__.py`` or ``__main__.py``;
     a bare namespace dir never wins over the installed package), ``sitecustomize.py``, ... Virtual
-    environments' site dirs are skipped (only their own interpreter reads them)."""
+    environments' site dirs are skipped (only their own interpreter reads them). Also a pytest
+    config or conftest.py at the top (``ROOT_CONFIGS``), as a file or a link."""
     root = str(root)
     todo = [("", 0)]
     seen = 0
@@ -510,6 +523,9 @@ def shadow_scan(root: str | os.PathLike, max_depth: int = 8, max_entries: int = 
                 is_dir = e.is_dir(follow_symlinks=False)
             except OSError:
                 continue
+            if depth == 0 and e.name in ROOT_CONFIGS and not is_dir:
+                # A file or a link of any kind: bwrap's verifier root rebuilds top-level links.
+                return f"/{child} was written (pytest reads it above /tests)"
             if is_dir:
                 if (
                     stem in _SHADOW_NAMES
