@@ -145,6 +145,14 @@ ATTACKS = {
         printf 'Metadata-Version: 2.1\\nName: tmaxplug\\nVersion: 1.0\\n' > /app/tmaxplug-1.0.dist-info/METADATA
         printf '[pytest11]\\ntmaxplug = tmaxplug\\n' > /app/tmaxplug-1.0.dist-info/entry_points.txt
     """,
+    # Links that lead the verifier into its own files: dangling for the agent, the answer for the
+    # tests (directly, and through the verifier's own process in /proc).
+    "answer_links_to_tests": """
+        ln -s /tests/expected.txt /app/answer.txt
+    """,
+    "answer_links_through_proc": """
+        ln -s /proc/self/root/tests/expected.txt /app/answer.txt
+    """,
     "rename_interpreter_dir": f"""
         py=$(readlink -f "$(command -v python3)")
         top=$(dirname "$(dirname "$py")")
@@ -270,7 +278,13 @@ def _run(cfg, tmp_path, name, solve, expected="42-" + uuid.uuid4().hex[:8], leak
 
 
 def test_controls_score_one_and_zero(cfg, tmp_path):
-    good = _run(cfg, tmp_path, "control_good", "echo 42-right > /app/answer.txt\n", expected="42-right")
+    # Links that lead nowhere near the verifier's files are the agent's business, as under Docker.
+    harmless = (
+        "ln -s /dev/stdout /app/access.log; ln -s /proc/mounts /app/mounts; ln -s /etc/mtab /app/mtab\n"
+    )
+    good = _run(
+        cfg, tmp_path, "control_good", harmless + "echo 42-right > /app/answer.txt\n", expected="42-right"
+    )
     assert (good.reward, good.reason) == (1.0, "ok"), good.verifier_log
     bad = _run(cfg, tmp_path, "control_bad", "echo wrong > /app/answer.txt\n", expected="42-right")
     assert bad.reward == 0.0 and bad.reason == "verifier failed"

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tmax_jax.errors import SandboxError
-from tmax_jax.sandbox import cgroup, overlay, podman_toolchain, rootfs, seccomp
+from tmax_jax.sandbox import cgroup, link_scan, overlay, podman_toolchain, rootfs, seccomp
 from tmax_jax.sandbox.base import (
     BASE_PATH,
     ExecResult,
@@ -475,6 +475,24 @@ class BwrapSandbox(Sandbox):
         # bwrap's own root holds only mount points and symlinks: read-only.
         return args + [*self._late_args, "--remount-ro", "/"]
 
+    def _view_host(self, parts) -> str:
+        """The host path of a path of the agent's view (components): its copy-on-write dirs merged,
+        the rest in its state."""
+        dest = "/" + parts[0] if parts else "/"
+        if dest in self.overlays:
+            return os.path.join(self.overlays[dest][1], *parts[1:])
+        return os.path.join(self.state, *parts)
+
+    def _link_scan(self) -> str | None:
+        """A link the agent made (its state, its copy-on-write changes of the base) that leads the
+        verifier into its own files (``link_scan``), as a reason."""
+        base = {d.lstrip("/").split("/")[0] for _, d in _dests(self._base_args)}
+        roots = [(self.state, ())]
+        roots += [(self._upper / d.lstrip("/"), (d.lstrip("/"),)) for d in self.overlays]
+        return link_scan.find_link_into_verifier(
+            roots, self._view_host, skip_top=frozenset(base | _VERIFIER_OWN)
+        )
+
     def _command(
         self, env: dict[str, str], cwd: str, argv: list[str], die_with_parent: bool = True
     ) -> list[str]:
@@ -546,7 +564,7 @@ class BwrapSandbox(Sandbox):
                     self.verifier_environment({**plugin_env, **(env or {})}), "/tests", list(argv)
                 )
             )
-            shadow = podman_toolchain.shadow_scan(self.state)
+            shadow = podman_toolchain.shadow_scan(self.state) or self._link_scan()
             if shadow:
                 return VerifierRun(ExecResult("", f"verifier not run: {shadow}\n", 1), {}, shadow)
             if not self.overlays:
@@ -558,7 +576,7 @@ class BwrapSandbox(Sandbox):
                 return VerifierRun(
                     exec_result(got, self.cfg.max_output_bytes),
                     read_verifier_logs(logs / "verifier"),
-                    podman_toolchain.shadow_scan(self.state),
+                    podman_toolchain.shadow_scan(self.state) or self._link_scan(),
                 )
             # The verifier sees the agent's copy-on-write base, as under Docker: its toolchain is
             # checked in the agent's upper dirs before, during and after (``podman_toolchain``).
@@ -581,6 +599,7 @@ class BwrapSandbox(Sandbox):
                 or during
                 or podman_toolchain.scan(self._upper, lowers)
                 or podman_toolchain.shadow_scan(self.state)
+                or self._link_scan()
             )
             return VerifierRun(result, {} if before else read_verifier_logs(logs / "verifier"), tampered)
         finally:

@@ -56,7 +56,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from tmax_jax.errors import SandboxError
-from tmax_jax.sandbox import podman_toolchain, seccomp
+from tmax_jax.sandbox import link_scan, podman_toolchain, seccomp
 from tmax_jax.sandbox.base import (
     VERIFIER_ENV,
     Sandbox,
@@ -364,7 +364,11 @@ class PodmanSandbox(Sandbox):
         try:
             watch = podman_toolchain.Watch(upper).start()
             try:
-                before = podman_toolchain.scan(upper, lowers) or podman_toolchain.shadow_scan(upper)
+                before = (
+                    podman_toolchain.scan(upper, lowers)
+                    or podman_toolchain.shadow_scan(upper)
+                    or self._link_scan(merged, upper)
+                )
                 result = (
                     ExecResult("", f"verifier not run: {before}\n", 1)
                     if before
@@ -377,10 +381,16 @@ class PodmanSandbox(Sandbox):
                 or during
                 or podman_toolchain.scan(upper, lowers)
                 or podman_toolchain.shadow_scan(upper)
+                or self._link_scan(merged, upper)
             )
             return VerifierRun(result, {} if before else read_verifier_logs(logs, VERIFY_LOG_CAP), tampered)
         finally:
             shutil.rmtree(vdir, ignore_errors=True)
+
+    @staticmethod
+    def _link_scan(merged: str, upper: str) -> str | None:
+        """A link the agent made (its layer) that leads the verifier into its own files, as a reason."""
+        return link_scan.find_link_into_verifier([(upper, ())], lambda parts: os.path.join(merged, *parts))
 
     def _run_verifier_container(self, vname, merged, tests, logs, argv, env, limit) -> ExecResult:
         full_env = {**VERIFIER_ENV, **(env or {})}

@@ -241,7 +241,7 @@ def _verify(task: Task, sb: Sandbox, files: dict[str, bytes] | None = None) -> t
     res = vr.result
     log = res.output
     if vr.tampered:
-        return 0.0, f"verifier toolchain tampered with: {vr.tampered}", log
+        return 0.0, f"verifier tampered with: {vr.tampered}", log
     if res.timed_out:
         return 0.0, "verifier timeout", log
     reading = parse_reward(vr.logs)
