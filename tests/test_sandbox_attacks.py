@@ -153,6 +153,26 @@ ATTACKS = {
     "answer_links_through_proc": """
         ln -s /proc/self/root/tests/expected.txt /app/answer.txt
     """,
+    # ...and one made only while the verifier runs: a process left behind wakes when /app is listed
+    # (the checks before the verifier list it), makes the link just after, and removes it before the
+    # checks after. Without a watch during the verification it won about 2 runs in 5 on bwrap.
+    "flip_link_while_verifying": """
+        cat > /tmp/flip.py <<'EOF'
+        import ctypes, os, time
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = libc.inotify_init()
+        libc.inotify_add_watch(fd, b"/app", 0x20)  # IN_OPEN
+        end = time.time() + 60
+        while time.time() < end:
+            os.read(fd, 65536)
+            time.sleep(0.05)
+            os.symlink("/tests/expected.txt", "/app/answer.txt")
+            time.sleep(0.3)
+            os.unlink("/app/answer.txt")
+        EOF
+        setsid -f python3 /tmp/flip.py >/dev/null 2>&1
+        sleep 0.3
+    """,
     "rename_interpreter_dir": f"""
         py=$(readlink -f "$(command -v python3)")
         top=$(dirname "$(dirname "$py")")

@@ -4,11 +4,12 @@ real directory tree standing for the sandbox's view (``/tests`` absent, as for t
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
 
-from tmax_jax.sandbox.link_scan import find_link_into_verifier, reaches_verifier
+from tmax_jax.sandbox.link_scan import LinkWatch, find_link_into_verifier, reaches_verifier
 
 
 def _view(root: Path):
@@ -97,3 +98,46 @@ def test_loops_and_skipped_tops(root):
     (root / "opt" / "a").symlink_to("/tests/x")
     assert _scan(root) is not None
     assert _scan(root, skip_top=frozenset({"opt"})) is None
+
+
+def _watching(root: Path):
+    return LinkWatch([(root, ())], _view(root), skip_top=frozenset({"proc"})).start()
+
+
+def test_watch_sees_a_link_made_and_removed_while_it_runs(root):
+    w = _watching(root)
+    link = root / "app" / "answer.txt"
+    link.unlink()
+    link.symlink_to("/tests/expected.txt")
+    time.sleep(0.05)
+    link.unlink()  # gone before the scan after the verifier
+    link.write_text("mine\n")
+    reason = w.stop()
+    assert reason is not None and reason.startswith("/app/answer.txt is a link into the verifier's own files")
+    assert _scan(root) is None
+
+
+@pytest.mark.parametrize("how", ["made", "moved"])
+def test_watch_sees_links_in_dirs_that_appear(root, tmp_path, how):
+    w = _watching(root)
+    if how == "made":  # a new dir, then a link in it (its watch may come after the link)
+        (root / "app" / "new" / "deep").mkdir(parents=True)
+        (root / "app" / "new" / "deep" / "x").symlink_to("/proc/self/cwd/expected.txt")
+    else:  # a tree made elsewhere, moved in whole
+        (tmp_path / "out" / "deep").mkdir(parents=True)
+        (tmp_path / "out" / "deep" / "x").symlink_to("/proc/self/cwd/expected.txt")
+        (tmp_path / "out").rename(root / "app" / "new")
+    time.sleep(0.05)
+    reason = w.stop()
+    assert reason is not None and "/app/new/deep/x is a link into the verifier's own files" in reason, reason
+
+
+def test_watch_leaves_other_files_and_links_alone(root):
+    w = _watching(root)
+    (root / "app" / "log").symlink_to("/dev/stdout")
+    (root / "app" / "d").mkdir()
+    (root / "app" / "d" / "f").write_text("x")
+    (root / "proc").mkdir()
+    (root / "proc" / "l").symlink_to("/tests")  # a skipped top dir (the kernel's)
+    time.sleep(0.05)
+    assert w.stop() is None

@@ -483,15 +483,17 @@ class BwrapSandbox(Sandbox):
             return os.path.join(self.overlays[dest][1], *parts[1:])
         return os.path.join(self.state, *parts)
 
-    def _link_scan(self) -> str | None:
-        """A link the agent made (its state, its copy-on-write changes of the base) that leads the
-        verifier into its own files (``link_scan``), as a reason."""
+    def _link_roots(self) -> tuple[list, link_scan.HostOf, frozenset[str]]:
+        """What the agent wrote, for ``link_scan``: its state (without the base's dirs and the
+        kernel's) and its copy-on-write changes of the base; how its view maps to host paths."""
         base = {d.lstrip("/").split("/")[0] for _, d in _dests(self._base_args)}
         roots = [(self.state, ())]
         roots += [(self._upper / d.lstrip("/"), (d.lstrip("/"),)) for d in self.overlays]
-        return link_scan.find_link_into_verifier(
-            roots, self._view_host, skip_top=frozenset(base | _VERIFIER_OWN)
-        )
+        return roots, self._view_host, frozenset(base | _VERIFIER_OWN)
+
+    def _link_scan(self) -> str | None:
+        """A link the agent made that leads the verifier into its own files, as a reason."""
+        return link_scan.find_link_into_verifier(*self._link_roots())
 
     def _command(
         self, env: dict[str, str], cwd: str, argv: list[str], die_with_parent: bool = True
@@ -564,43 +566,50 @@ class BwrapSandbox(Sandbox):
                     self.verifier_environment({**plugin_env, **(env or {})}), "/tests", list(argv)
                 )
             )
-            shadow = podman_toolchain.shadow_scan(self.state) or self._link_scan()
-            if shadow:
-                return VerifierRun(ExecResult("", f"verifier not run: {shadow}\n", 1), {}, shadow)
-            if not self.overlays:
-                got = run_capped(
-                    host_argv, timeout=timeout, cap=self.cfg.max_output_bytes, env={"PATH": BASE_PATH}
-                )
-                self.exec_durations.append(got.duration_s)
-                # A shadowing module planted while the verifier ran (by a process the agent left).
-                return VerifierRun(
-                    exec_result(got, self.cfg.max_output_bytes),
-                    read_verifier_logs(logs / "verifier"),
-                    podman_toolchain.shadow_scan(self.state) or self._link_scan(),
-                )
-            # The verifier sees the agent's copy-on-write base, as under Docker: its toolchain is
-            # checked in the agent's upper dirs before, during and after (``podman_toolchain``).
-            lowers = self._lowers()
-            watch = podman_toolchain.Watch(self._upper).start()
+            # Links into the verifier's files: the watch sees those made from here on, the scans
+            # those made before and left after.
+            links = link_scan.LinkWatch(*self._link_roots()).start()
             try:
-                before = podman_toolchain.scan(self._upper, lowers)
-                if before:
-                    result = ExecResult("", f"verifier not run: {before}\n", 1)
-                else:
+                shadow = podman_toolchain.shadow_scan(self.state) or self._link_scan()
+                if shadow:
+                    return VerifierRun(ExecResult("", f"verifier not run: {shadow}\n", 1), {}, shadow)
+                if not self.overlays:
                     got = run_capped(
                         host_argv, timeout=timeout, cap=self.cfg.max_output_bytes, env={"PATH": BASE_PATH}
                     )
                     self.exec_durations.append(got.duration_s)
-                    result = exec_result(got, self.cfg.max_output_bytes)
+                    # A shadowing module planted while the verifier ran (by a process the agent left).
+                    return VerifierRun(
+                        exec_result(got, self.cfg.max_output_bytes),
+                        read_verifier_logs(logs / "verifier"),
+                        links.stop() or podman_toolchain.shadow_scan(self.state) or self._link_scan(),
+                    )
+                # The verifier sees the agent's copy-on-write base, as under Docker: its toolchain is
+                # checked in the agent's upper dirs before, during and after (``podman_toolchain``).
+                lowers = self._lowers()
+                watch = podman_toolchain.Watch(self._upper).start()
+                try:
+                    before = podman_toolchain.scan(self._upper, lowers)
+                    if before:
+                        result = ExecResult("", f"verifier not run: {before}\n", 1)
+                    else:
+                        got = run_capped(
+                            host_argv, timeout=timeout, cap=self.cfg.max_output_bytes, env={"PATH": BASE_PATH}
+                        )
+                        self.exec_durations.append(got.duration_s)
+                        result = exec_result(got, self.cfg.max_output_bytes)
+                finally:
+                    during = watch.stop()
+                tampered = (
+                    before
+                    or during
+                    or links.stop()
+                    or podman_toolchain.scan(self._upper, lowers)
+                    or podman_toolchain.shadow_scan(self.state)
+                    or self._link_scan()
+                )
             finally:
-                during = watch.stop()
-            tampered = (
-                before
-                or during
-                or podman_toolchain.scan(self._upper, lowers)
-                or podman_toolchain.shadow_scan(self.state)
-                or self._link_scan()
-            )
+                links.stop()
             return VerifierRun(result, {} if before else read_verifier_logs(logs / "verifier"), tampered)
         finally:
             if cg is not None:

@@ -11,14 +11,22 @@ verifier's kernel would (through other links, ``..`` included; a missing compone
 lexically, since a process the agent left running could still create it). A link that reaches
 ``/tests``, ``/logs``, ``/dev/fd`` or a ``/proc`` path through a process's ``root``, ``cwd``, ``fd``,
 ``map_files`` or ``exe`` is reported; links to ``/proc/mounts``, ``/dev/null``, ``/dev/stdout`` and the
-like are not. Both backends call it before and after a verification (``run_verifier``).
+like are not. Both backends call it before and after a verification (``run_verifier``), and
+``LinkWatch`` sees links made while the verifier runs.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
+import select
+import struct
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+
+from tmax_jax.errors import SandboxError
 
 # Places only the verifier's own files are: a path reaching one of these prefixes is reported.
 VERIFIER_DIRS = (("tests",), ("logs",), ("dev", "fd"))
@@ -109,3 +117,152 @@ def find_link_into_verifier(
                 except OSError:
                     continue  # gone while we looked: the agent is still running
     return None
+
+
+# ---- while the verifier runs ---------------------------------------------------------------------
+_IN_MOVED_TO, _IN_CREATE, _IN_Q_OVERFLOW, _IN_IGNORED, _IN_ISDIR = 0x80, 0x100, 0x4000, 0x8000, 0x40000000
+_IN_ONLYDIR, _IN_DONT_FOLLOW = 0x01000000, 0x02000000
+_MASK = _IN_CREATE | _IN_MOVED_TO | _IN_ONLYDIR | _IN_DONT_FOLLOW
+_EVENT = struct.Struct("iIII")
+
+
+class LinkWatch:
+    """Links made while a verifier runs, by a process the agent left: from ``start()`` to ``stop()``
+    every dir under ``roots`` is watched (inotify; a dir that appears is watched from then on and its
+    content checked), and each new entry is resolved as ``find_link_into_verifier`` does. ``stop()``
+    returns the first link into the verifier's files as a reason, or None.
+
+    Start it before the scan that precedes the verifier: a link made before the watch is the scan's,
+    one made after it the watch's. A link made and removed again before the watch's thread reads its
+    event is missed; a process flipping one to win a race against the tests makes many, and the
+    watch needs to see only one.
+    """
+
+    def __init__(self, roots, host_of: HostOf, skip_top: frozenset[str] = frozenset()):
+        self.roots = [(os.fspath(r), tuple(v)) for r, v in roots]
+        self.host_of = host_of
+        self.skip_top = skip_top
+        self._wd: dict[int, tuple[str, tuple[str, ...]]] = {}
+        self._reason: str | None = None
+        self._fd = -1
+        self._stop = threading.Event()
+        self._wake_r = self._wake_w = -1
+        self._thread: threading.Thread | None = None
+
+    def _flag(self, reason: str) -> None:
+        if self._reason is None:
+            self._reason = reason
+
+    def _check(self, path: str, parts: tuple[str, ...]) -> None:
+        try:
+            target = os.readlink(path)
+        except OSError:
+            return  # not a link, or gone
+        where = reaches_verifier(self.host_of, parts[:-1], target)
+        if where is not None:
+            self._flag(
+                f"/{'/'.join(parts)} is a link into the verifier's own files ({where}), made while it ran"
+            )
+
+    def _add(self, path: str, parts: tuple[str, ...], appeared: bool) -> None:
+        todo = [(path, parts)]
+        while todo:
+            d, p = todo.pop()
+            wd = _lib().inotify_add_watch(self._fd, os.fsencode(d), _MASK)
+            if wd < 0:
+                err = ctypes.get_errno()
+                if err not in (errno.ENOENT, errno.ENOTDIR):
+                    self._flag(
+                        f"cannot watch /{'/'.join(p)} for links during verification: {os.strerror(err)}"
+                    )
+                continue
+            self._wd[wd] = (d, p)
+            try:
+                entries = list(os.scandir(d))
+            except OSError:
+                continue
+            for e in entries:
+                if not p and e.name in self.skip_top:
+                    continue
+                child = (*p, e.name)
+                try:
+                    if e.is_symlink():
+                        if appeared:  # made between the dir's creation and its watch
+                            self._check(e.path, child)
+                    elif e.is_dir(follow_symlinks=False):
+                        todo.append((e.path, child))
+                except OSError:
+                    continue
+
+    def start(self) -> LinkWatch:
+        self._fd = _lib().inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self._fd < 0:
+            raise SandboxError(
+                f"cannot watch the agent's files for links: inotify: {os.strerror(ctypes.get_errno())}"
+            )
+        for root, view in self.roots:
+            self._add(root, view, appeared=False)
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread = threading.Thread(target=self._loop, name="tmax-link-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def _read(self) -> bool:
+        try:
+            buf = os.read(self._fd, 1 << 16)
+        except BlockingIOError:
+            return False
+        i = 0
+        while i + _EVENT.size <= len(buf):
+            wd, mask, _cookie, n = _EVENT.unpack_from(buf, i)
+            name = os.fsdecode(buf[i + _EVENT.size : i + _EVENT.size + n].rstrip(b"\0"))
+            i += _EVENT.size + n
+            if mask & _IN_Q_OVERFLOW:
+                self._flag("too many files made during verification to check them for links")
+                continue
+            if mask & _IN_IGNORED:
+                self._wd.pop(wd, None)
+                continue
+            seen = self._wd.get(wd)
+            if seen is None or not name:
+                continue
+            d, parts = seen
+            if not parts and name in self.skip_top:
+                continue
+            path, child = os.path.join(d, name), (*parts, name)
+            if mask & _IN_ISDIR:
+                self._add(path, child, appeared=True)
+            else:
+                self._check(path, child)
+        return True
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            r, _, _ = select.select([self._fd, self._wake_r], [], [], 1.0)
+            if self._fd in r:
+                self._read()
+
+    def stop(self) -> str | None:
+        if self._thread is not None:
+            self._stop.set()
+            os.write(self._wake_w, b"x")
+            self._thread.join()
+            while self._read():
+                pass
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._thread = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        return self._reason
+
+
+_libc = None
+
+
+def _lib():
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc

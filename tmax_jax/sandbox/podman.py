@@ -364,6 +364,11 @@ class PodmanSandbox(Sandbox):
         try:
             watch = podman_toolchain.Watch(upper).start()
             try:
+                links = link_scan.LinkWatch([(upper, ())], self._view_host(merged)).start()
+            except BaseException:
+                watch.stop()
+                raise
+            try:
                 before = (
                     podman_toolchain.scan(upper, lowers)
                     or podman_toolchain.shadow_scan(upper)
@@ -375,10 +380,11 @@ class PodmanSandbox(Sandbox):
                     else self._run_verifier_container(vname, merged, tests, logs, argv, env, limit)
                 )
             finally:
-                during = watch.stop()
+                during = [watch.stop(), links.stop()]  # both, always: each holds a thread and an fd
             tampered = (
                 before
-                or during
+                or during[0]
+                or during[1]
                 or podman_toolchain.scan(upper, lowers)
                 or podman_toolchain.shadow_scan(upper)
                 or self._link_scan(merged, upper)
@@ -388,9 +394,12 @@ class PodmanSandbox(Sandbox):
             shutil.rmtree(vdir, ignore_errors=True)
 
     @staticmethod
-    def _link_scan(merged: str, upper: str) -> str | None:
+    def _view_host(merged: str) -> link_scan.HostOf:
+        return lambda parts: os.path.join(merged, *parts)
+
+    def _link_scan(self, merged: str, upper: str) -> str | None:
         """A link the agent made (its layer) that leads the verifier into its own files, as a reason."""
-        return link_scan.find_link_into_verifier([(upper, ())], lambda parts: os.path.join(merged, *parts))
+        return link_scan.find_link_into_verifier([(upper, ())], self._view_host(merged))
 
     def _run_verifier_container(self, vname, merged, tests, logs, argv, env, limit) -> ExecResult:
         full_env = {**VERIFIER_ENV, **(env or {})}
