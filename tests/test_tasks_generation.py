@@ -3,6 +3,7 @@ partial credit, and procedural tasks that pass the executability filter in real 
 
 from __future__ import annotations
 
+import ast
 import collections
 import json
 import random
@@ -299,3 +300,66 @@ def test_calibration_pass_rates_and_difficulty_band(tmp_path, cfg):
         t["in_band"] for t in report["tasks"]
     )
     assert "0/2 tasks in the band" in r.stdout
+
+
+# A candidate module that attacks the grader loading it instead of solving: from its own scope it
+# walks to the caller's globals and makes every grading helper answer 1.0, writes a full reward
+# into the reward file, and kills the process that loaded it (so that nothing overwrites that file).
+ATTACKING_MODULE = """
+import os, sys
+f = sys._getframe(0)
+while f is not None:
+    for k, v in list(f.f_globals.items()):
+        if callable(v) and k in ("adversarial_corpus", "fuzz_equivalence", "relative_to_baseline"):
+            f.f_globals[k] = lambda *a, **kw: 1.0
+    f = f.f_back
+try:
+    os.makedirs("/logs/verifier", exist_ok=True)
+    with open("/logs/verifier/reward.txt", "w") as out:
+        out.write("1.000000")
+    os.kill(os.getppid(), 9)
+except OSError:
+    pass
+def is_secret(line):
+    return False
+"""
+
+
+def test_a_candidate_module_that_attacks_its_grader_scores_what_its_function_earns(tmp_path, cfg):
+    """The code families load the agent's module to grade it: its code runs on import. Graded in a
+    process of its own as an unprivileged user, it earns what ``is_secret`` (always False) earns on
+    the cases, computed here from the task's parameters, and no more (in the grader's process it
+    scored 1.0)."""
+    d = _draft_dir(tmp_path, "secret_scanner", "attack")
+    solve = (d / "solutions" / "solve.sh").read_text()
+    mod = solve.split("cat > ", 1)[1].split()[0]
+    (d / "solutions" / "solve.sh").write_text(
+        f"#!/bin/bash\nmkdir -p $(dirname {mod})\ncat > {mod} <<'EOF'\n{ATTACKING_MODULE}EOF\n"
+    )
+    task = load_task(d)
+    src = (d / "test_final_state.py").read_text()
+    line = next(x for x in src.splitlines() if "adversarial_corpus(m.is_secret, " in x)
+    cases = ast.literal_eval(line.split("adversarial_corpus(m.is_secret, ", 1)[1].rstrip()[:-1])
+    fair = sum(want is False for _, want in cases) / len(cases)
+    res = run_task(task, "oracle", cfg)
+    assert 0.0 < fair < 1.0 and res.reward == pytest.approx(fair, abs=1e-6), (
+        res.reason,
+        res.verifier_log[-800:],
+    )
+    assert not res.passed
+
+
+def test_a_makefile_that_attacks_its_grader_scores_zero(tmp_path, cfg):
+    """The build family's grader runs the agent's Makefile: one that writes a full reward into the
+    reward file and kills the grader's pytest (so that nothing overwrites that file) instead of
+    building. Run on a copy as an unprivileged user, it can do neither (as root it scored 1.0)."""
+    d = _draft_dir(tmp_path, "makefile_fix", "attack")
+    solve = (d / "solutions" / "solve.sh").read_text()
+    w = next(x for x in solve.splitlines() if x.startswith("cd ")).split()[1]
+    attack = (
+        "app:\n\tmkdir -p /logs/verifier; echo 1.000000 > /logs/verifier/reward.txt; "
+        "for p in $$(pgrep -f pytest); do kill -9 $$p; done\n\nclean:\n\ttrue\n"
+    )
+    (d / "solutions" / "solve.sh").write_text(f"#!/bin/bash\ncat > {w}/Makefile <<'EOF'\n{attack}EOF\n")
+    res = run_task(load_task(d), "oracle", cfg)
+    assert res.reward == 0.0 and not res.passed, (res.reason, res.verifier_log[-800:])

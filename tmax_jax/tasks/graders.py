@@ -96,6 +96,29 @@ def relative_to_baseline(score, baseline):
     return max(0.0, (score - baseline) / (1.0 - baseline)) * 0.99
 
 
+def run_untrusted(cmd, cwd, timeout=60):
+    """Run ``cmd`` (a shell command that runs the agent's code: its Makefile, its script) on a copy
+    of the dir ``cwd``, as an unprivileged user when the verifier runs as root, so that it can
+    neither write the reward file nor signal the verifier's processes. Returns the
+    ``subprocess.CompletedProcess`` (text output)."""
+    import shutil as _shutil
+    import subprocess as _subprocess
+    import tempfile as _tempfile
+
+    with _tempfile.TemporaryDirectory() as tmp:
+        work = _os.path.join(tmp, "work")
+        _shutil.copytree(cwd, work, symlinks=True)
+        kw = {}
+        if _os.getuid() == 0:
+            for d, dirs, files in _os.walk(tmp):
+                for n in [d, *(_os.path.join(d, f) for f in dirs + files)]:
+                    _os.lchown(n, 65534, 65534)
+            kw = {"user": 65534, "group": 65534, "extra_groups": []}
+        return _subprocess.run(
+            cmd, shell=True, cwd=work, capture_output=True, text=True, timeout=timeout, **kw
+        )
+
+
 def finish(reward, threshold=1.0):
     reward = min(1.0, max(0.0, float(reward)))
     REWARD_FILE.parent.mkdir(parents=True, exist_ok=True)

@@ -23,14 +23,82 @@ from tmax_jax.tasks.generator.base import (
 )
 from tmax_jax.tasks.generator.registry import register
 
-LOAD = """
-import importlib.util
-def _load(path, name):
+# The agent's module is graded in a process of its own, as an unprivileged user when the verifier
+# runs as root: its code (which runs on import) can neither rewrite the grader's functions in memory
+# (a frame walk to the caller's globals would) nor write the reward file. Calls and results cross a
+# pipe as Python literals (``ast.literal_eval``: no code, no pickle); an error in the module's call
+# raises ``ModuleCallError`` in the grader, which scores that case wrong.
+LOAD = '''
+import ast as _ast
+import subprocess as _sp
+import sys as _sys_l
+_CHILD = """
+import ast, importlib.util, os, sys
+proto = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)  # what the module prints goes to stderr, never into the protocol
+path, name, extra = sys.argv[1], sys.argv[2], ast.literal_eval(sys.argv[3])
+sys.path[:0] = [p for p in extra if p not in sys.path]
+if os.getuid() == 0:
+    try:
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+    except OSError:
+        pass
+def send(text):
+    proto.write(text + chr(10))
+    proto.flush()
+try:
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod
+except BaseException as e:
+    send(repr(("err", type(e).__name__, str(e)[:300])))
+    sys.exit(0)
+send(repr(("ok", sorted(n for n in dir(mod) if not n.startswith("__")))))
+for line in sys.stdin:
+    fn, args, kwargs = ast.literal_eval(line)
+    try:
+        text = repr(("ok", getattr(mod, fn)(*args, **kwargs)))
+        ast.literal_eval(text)
+    except BaseException as e:
+        text = repr(("err", type(e).__name__, str(e)[:300]))
+    send(text)
 """
+class ModuleCallError(Exception):
+    pass
+class _Remote:
+    def __init__(self, path, name):
+        self._p = _sp.Popen(
+            [_sys_l.executable, "-c", _CHILD, path, name, repr(list(_sys_l.path))],
+            stdin=_sp.PIPE, stdout=_sp.PIPE, text=True,
+        )
+        kind, *rest = self._reply()
+        if kind != "ok":
+            raise ImportError(f"{path}: {rest[0]}: {rest[1]}")
+        self._names = set(rest[0])
+    def _reply(self):
+        line = self._p.stdout.readline()
+        if not line:
+            raise ModuleCallError("the module's process ended")
+        reply = _ast.literal_eval(line)
+        if not isinstance(reply, tuple) or not reply or reply[0] not in ("ok", "err"):
+            raise ModuleCallError("the module's process sent something that is not a reply")
+        return reply
+    def __getattr__(self, fn):
+        if fn.startswith("_") or fn not in self._names:
+            raise AttributeError(fn)
+        def call(*args, **kwargs):
+            self._p.stdin.write(repr((fn, args, kwargs)) + chr(10))
+            self._p.stdin.flush()
+            reply = self._reply()
+            if reply[0] == "ok" and len(reply) == 2:
+                return reply[1]
+            raise ModuleCallError(f"{fn}: {reply[1:]}")
+        return call
+def _load(path, name):
+    return _Remote(path, name)
+'''
 
 
 # Shared verifier snippets, indented like the f-string checks below so that one dedent fits all.

@@ -346,9 +346,8 @@ class MakefileFix(Family):
         all_objs = " ".join(f"{m}.o" for m in mods)
         solve = f"cd {w}\nsed -i 's/^app: .*/app: main.o {all_objs}/; s/^\\tcc -o app .*/\\tcc -o app main.o {all_objs}/' Makefile\nmake clean >/dev/null && make >/dev/null\n"
         check = f"""
-            import subprocess
             def grade():
-                r = subprocess.run('make clean >/dev/null 2>&1; make >/dev/null 2>&1 && ./app', shell=True, cwd={w!r}, capture_output=True, text=True, timeout=60)
+                r = run_untrusted('make clean >/dev/null 2>&1; make >/dev/null 2>&1 && ./app', {w!r})
                 if r.returncode != 0:
                     return 0.0
                 return exact_text(r.stdout, {truth!r})
