@@ -141,3 +141,12 @@ def test_watch_leaves_other_files_and_links_alone(root):
     (root / "proc" / "l").symlink_to("/tests")  # a skipped top dir (the kernel's)
     time.sleep(0.05)
     assert w.stop() is None
+
+
+def test_watch_leaves_package_trees_to_the_scans(root):
+    (root / "app" / "node_modules" / "pkg").mkdir(parents=True)
+    w = _watching(root)
+    (root / "app" / "node_modules" / "pkg" / "x").symlink_to("/tests/expected.txt")
+    time.sleep(0.05)
+    assert w.stop() is None  # not watched there...
+    assert "/app/node_modules/pkg/x is a link" in _scan(root)  # ...but the scan after finds it

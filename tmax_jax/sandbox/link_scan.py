@@ -124,6 +124,26 @@ _IN_MOVED_TO, _IN_CREATE, _IN_Q_OVERFLOW, _IN_IGNORED, _IN_ISDIR = 0x80, 0x100, 
 _IN_ONLYDIR, _IN_DONT_FOLLOW = 0x01000000, 0x02000000
 _MASK = _IN_CREATE | _IN_MOVED_TO | _IN_ONLYDIR | _IN_DONT_FOLLOW
 _EVENT = struct.Struct("iIII")
+# Bulky trees the watch does not descend into (the scans before and after still walk them): package
+# caches and installs that hold thousands of dirs each (inotify watches are a host-wide budget shared
+# by every verification running), and where no test reads the agent's outputs.
+_BULKY_NAMES = frozenset(
+    {"node_modules", ".git", "__pycache__", "site-packages", "dist-packages", ".cache", ".npm", ".cargo"}
+)
+_BULKY_PATHS = frozenset(
+    {
+        ("usr", "share"),
+        ("usr", "lib"),
+        ("usr", "local", "lib"),
+        ("usr", "include"),
+        ("var", "lib"),
+        ("var", "cache"),
+    }
+)
+
+
+def _bulky(parts: tuple[str, ...]) -> bool:
+    return bool(parts) and (parts[-1] in _BULKY_NAMES or parts in _BULKY_PATHS)
 
 
 class LinkWatch:
@@ -135,7 +155,7 @@ class LinkWatch:
     Start it before the scan that precedes the verifier: a link made before the watch is the scan's,
     one made after it the watch's. A link made and removed again before the watch's thread reads its
     event is missed; a process flipping one to win a race against the tests makes many, and the
-    watch needs to see only one.
+    watch needs to see only one. Package trees (``_bulky``) are left to the scans.
     """
 
     def __init__(self, roots, host_of: HostOf, skip_top: frozenset[str] = frozenset()):
@@ -189,7 +209,7 @@ class LinkWatch:
                     if e.is_symlink():
                         if appeared:  # made between the dir's creation and its watch
                             self._check(e.path, child)
-                    elif e.is_dir(follow_symlinks=False):
+                    elif e.is_dir(follow_symlinks=False) and not _bulky(child):
                         todo.append((e.path, child))
                 except OSError:
                     continue
@@ -231,7 +251,8 @@ class LinkWatch:
                 continue
             path, child = os.path.join(d, name), (*parts, name)
             if mask & _IN_ISDIR:
-                self._add(path, child, appeared=True)
+                if not _bulky(child):
+                    self._add(path, child, appeared=True)
             else:
                 self._check(path, child)
         return True
