@@ -44,6 +44,25 @@ class ChatFormatter:
             raise TmaxError(f"the chat template does not end assistant turns with {end_token!r}")
         self._glue_after_end = base[idx + len(end_token) :]
         self._base = base
+        # Control tokens (``<|im_start|>``, ``<|im_end|>``, ``<|endoftext|>``, ...) as they could appear
+        # in a command's output. Tags the model writes itself (``<tool_call>``, ``<think>``) stay tokens:
+        # the harness's own format hints use them.
+        names = {
+            *getattr(tokenizer, "all_special_tokens", []),
+            *getattr(tokenizer, "get_added_vocab", dict)(),
+        }
+        self._specials = sorted(
+            (t for t in names if t.startswith("<|") and t.endswith("|>")), key=len, reverse=True
+        )
+
+    def _inert(self, text: str) -> str:
+        """``text`` with every control-token string broken by a zero-width space after its first
+        character, so that tokenising it gives ordinary text tokens: a command's output (which the
+        agent controls) cannot open or close turns in its own context."""
+        for t in self._specials:
+            if t in text:
+                text = text.replace(t, t[0] + "\u200b" + t[1:])
+        return text
 
     def _render(self, messages: list[dict], *, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -65,7 +84,12 @@ class ChatFormatter:
         return self.encode(self._render(messages, add_generation_prompt=True))
 
     def continuation_ids(self, new_messages: list[dict], *, ended_with_eos: bool) -> list[int]:
-        """Tokens after an assistant turn: template glue, the new (tool/user) messages, next generation prompt."""
+        """Tokens after an assistant turn: template glue, the new (tool/user) messages, next generation
+        prompt. Control-token strings inside the messages' text are made inert (``_inert``)."""
+        new_messages = [
+            {**m, "content": self._inert(m["content"])} if isinstance(m.get("content"), str) else m
+            for m in new_messages
+        ]
         full = self._render(_DUMMY + new_messages, add_generation_prompt=True)
         if not full.startswith(self._base):
             raise TmaxError("the chat template renders earlier messages differently when more follow")

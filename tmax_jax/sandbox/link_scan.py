@@ -258,10 +258,13 @@ class LinkWatch:
         return True
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            r, _, _ = select.select([self._fd, self._wake_r], [], [], 1.0)
-            if self._fd in r:
-                self._read()
+        try:
+            while not self._stop.is_set():
+                r, _, _ = select.select([self._fd, self._wake_r], [], [], 1.0)
+                if self._fd in r:
+                    self._read()
+        except Exception as e:  # noqa: BLE001 - a watch that stopped watching must not pass silently
+            self._flag(f"the watch for links during verification failed: {type(e).__name__}: {e}")
 
     def stop(self) -> str | None:
         if self._thread is not None:
