@@ -412,3 +412,23 @@ def test_runner_file_transfers_ignore_tools_the_agent_planted(cfg):
         with pytest.raises(SandboxError):  # the agent broke the file itself: an error, never a crash
             sb.exec("rm /app/data.txt; mkfifo /app/data.txt")
             sb.read_file("/app/data.txt", timeout=5)
+
+
+def test_link_checks_see_the_top_level_links_the_verifier_root_was_built_with(sb, tmp_path):
+    """bwrap's verifier root remakes the agent's top-level links as they are when it is planned. A
+    link removed right after (a process of the agent's seeing the state listed) must still be
+    checked with the target the verifier will have, not found missing in the agent's state."""
+    sb.exec(["bash", "-c", "ln -s /tests /t && ln -s /t/expected.txt /app/answer.txt"])
+    assert sb._link_scan() is not None  # both present: found
+    vdir = tmp_path / "v"
+    vdir.mkdir()
+    args = sb._verifier_tree(vdir / "tests", vdir / "logs", vdir / "links")
+    assert "/t" in args and os.readlink(vdir / "links" / "t") == "/tests"
+    sb.exec(["rm", "/t"])
+    assert sb._link_scan() is None  # the agent's state alone no longer shows it...
+    sb._verifier_links = vdir / "links"
+    try:
+        reason = sb._link_scan()  # ...the verifier's root does
+    finally:
+        sb._verifier_links = None
+    assert reason is not None and "(/tests)" in reason, reason

@@ -122,6 +122,9 @@ class BwrapSandbox(Sandbox):
         self.child_pid: int | None = None
         self._bpf = self.run_dir / "seccomp.bpf"
         self._verifications = 0
+        # The top-level links of the verifier's root being checked: a dir of real links with the
+        # targets ``_verifier_tree`` recorded (the agent may change its own after that).
+        self._verifier_links: Path | None = None
         # Copy-on-write base dirs (host root only): destination -> (base dir, merged mount point).
         self.overlays: dict[str, tuple[str, Path]] = {}
         self._upper = self.disk / "upper"
@@ -447,7 +450,7 @@ class BwrapSandbox(Sandbox):
             "/dev/shm",
         ]
 
-    def _verifier_tree(self, tests: Path, logs: Path) -> list[str]:
+    def _verifier_tree(self, tests: Path, logs: Path, links: Path | None = None) -> list[str]:
         """A verifier's mounts: a read-only root of bwrap's own, the base's dirs (the agent's
         copy-on-write views of them, as under Docker, whose toolchain ``run_verifier`` checks; the
         rest bound afresh), each other top-level entry of the agent's state as it is now, and
@@ -466,7 +469,11 @@ class BwrapSandbox(Sandbox):
             path = self.state / name
             try:
                 if path.is_symlink():
-                    args += ["--symlink", os.readlink(path), f"/{name}"]
+                    target = os.readlink(path)
+                    args += ["--symlink", target, f"/{name}"]
+                    if links is not None:  # as the verifier will have it, for the link checks
+                        links.mkdir(exist_ok=True)
+                        os.symlink(target, links / name)
                 elif path.is_dir():
                     args += ["--bind", str(path), f"/{name}"]
             except OSError:
@@ -481,6 +488,9 @@ class BwrapSandbox(Sandbox):
         dest = "/" + parts[0] if parts else "/"
         if dest in self.overlays:
             return os.path.join(self.overlays[dest][1], *parts[1:])
+        vlinks = self._verifier_links
+        if vlinks is not None and parts and os.path.lexists(vlinks / parts[0]):
+            return os.path.join(vlinks, *parts)  # the verifier's own top-level link
         return os.path.join(self.state, *parts)
 
     def _link_roots(self) -> tuple[list, link_scan.HostOf, frozenset[str]]:
@@ -489,6 +499,8 @@ class BwrapSandbox(Sandbox):
         base = {d.lstrip("/").split("/")[0] for _, d in _dests(self._base_args)}
         roots = [(self.state, ())]
         roots += [(self._upper / d.lstrip("/"), (d.lstrip("/"),)) for d in self.overlays]
+        if self._verifier_links is not None:
+            roots.append((self._verifier_links, ()))
         return roots, self._view_host, frozenset(base | _VERIFIER_OWN)
 
     def _link_scan(self) -> str | None:
@@ -561,11 +573,13 @@ class BwrapSandbox(Sandbox):
                 self._host_prefix(cg)
                 + self._enter(("user", "net"))
                 + ["bwrap", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
-                + self._verifier_tree(tests, logs)
+                + self._verifier_tree(tests, logs, vdir / "links")
                 + self._command(
                     self.verifier_environment({**plugin_env, **(env or {})}), "/tests", list(argv)
                 )
             )
+            if (vdir / "links").is_dir():
+                self._verifier_links = vdir / "links"
             # Links into the verifier's files: the watch sees those made from here on, the scans
             # those made before and left after.
             links = link_scan.LinkWatch(*self._link_roots()).start()
@@ -612,6 +626,7 @@ class BwrapSandbox(Sandbox):
                 links.stop()
             return VerifierRun(result, {} if before else read_verifier_logs(logs / "verifier"), tampered)
         finally:
+            self._verifier_links = None
             if cg is not None:
                 cg.kill_all()
                 cg.remove()
