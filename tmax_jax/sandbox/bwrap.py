@@ -484,7 +484,8 @@ class BwrapSandbox(Sandbox):
 
     def _view_host(self, parts) -> str:
         """The host path of a path of the agent's view (components): its copy-on-write dirs merged,
-        the rest in its state."""
+        during a verification the top-level links the verifier's root was built with, the rest in
+        its state."""
         dest = "/" + parts[0] if parts else "/"
         if dest in self.overlays:
             return os.path.join(self.overlays[dest][1], *parts[1:])

@@ -17,16 +17,12 @@ like are not. Both backends call it before and after a verification (``run_verif
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
-import select
-import struct
-import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
-from tmax_jax.errors import SandboxError
+from tmax_jax.sandbox import inotify
 
 # Places only the verifier's own files are: a path reaching one of these prefixes is reported.
 VERIFIER_DIRS = (("tests",), ("logs",), ("dev", "fd"))
@@ -120,10 +116,7 @@ def find_link_into_verifier(
 
 
 # ---- while the verifier runs ---------------------------------------------------------------------
-_IN_MOVED_TO, _IN_CREATE, _IN_Q_OVERFLOW, _IN_IGNORED, _IN_ISDIR = 0x80, 0x100, 0x4000, 0x8000, 0x40000000
-_IN_ONLYDIR, _IN_DONT_FOLLOW = 0x01000000, 0x02000000
-_MASK = _IN_CREATE | _IN_MOVED_TO | _IN_ONLYDIR | _IN_DONT_FOLLOW
-_EVENT = struct.Struct("iIII")
+_MASK = inotify.IN_CREATE | inotify.IN_MOVED_TO | inotify.IN_ONLYDIR | inotify.IN_DONT_FOLLOW
 # Bulky trees the watch does not descend into (the scans before and after still walk them): package
 # caches and installs that hold thousands of dirs each (inotify watches are a host-wide budget shared
 # by every verification running), and where no test reads the agent's outputs.
@@ -146,11 +139,11 @@ def _bulky(parts: tuple[str, ...]) -> bool:
     return bool(parts) and (parts[-1] in _BULKY_NAMES or parts in _BULKY_PATHS)
 
 
-class LinkWatch:
+class LinkWatch(inotify.EventWatch):
     """Links made while a verifier runs, by a process the agent left: from ``start()`` to ``stop()``
-    every dir under ``roots`` is watched (inotify; a dir that appears is watched from then on and its
-    content checked), and each new entry is resolved as ``find_link_into_verifier`` does. ``stop()``
-    returns the first link into the verifier's files as a reason, or None.
+    every dir under ``roots`` is watched (a dir that appears is watched from then on and its content
+    checked), and each new entry is resolved as ``find_link_into_verifier`` does. ``stop()`` returns
+    the first link into the verifier's files as a reason, or None.
 
     Start it before the scan that precedes the verifier: a link made before the watch is the scan's,
     one made after it the watch's. A link made and removed again before the watch's thread reads its
@@ -158,20 +151,15 @@ class LinkWatch:
     watch needs to see only one. Package trees (``_bulky``) are left to the scans.
     """
 
+    what = "the agent's files for links"
+    thread_name = "tmax-link-watch"
+
     def __init__(self, roots, host_of: HostOf, skip_top: frozenset[str] = frozenset()):
+        super().__init__()
         self.roots = [(os.fspath(r), tuple(v)) for r, v in roots]
         self.host_of = host_of
         self.skip_top = skip_top
         self._wd: dict[int, tuple[str, tuple[str, ...]]] = {}
-        self._reason: str | None = None
-        self._fd = -1
-        self._stop = threading.Event()
-        self._wake_r = self._wake_w = -1
-        self._thread: threading.Thread | None = None
-
-    def _flag(self, reason: str) -> None:
-        if self._reason is None:
-            self._reason = reason
 
     def _check(self, path: str, parts: tuple[str, ...]) -> None:
         try:
@@ -188,12 +176,11 @@ class LinkWatch:
         todo = [(path, parts)]
         while todo:
             d, p = todo.pop()
-            wd = _lib().inotify_add_watch(self._fd, os.fsencode(d), _MASK)
+            wd = self.add_watch(d, _MASK)
             if wd < 0:
-                err = ctypes.get_errno()
-                if err not in (errno.ENOENT, errno.ENOTDIR):
+                if -wd not in (errno.ENOENT, errno.ENOTDIR):
                     self._flag(
-                        f"cannot watch /{'/'.join(p)} for links during verification: {os.strerror(err)}"
+                        f"cannot watch /{'/'.join(p)} for links during verification: {os.strerror(-wd)}"
                     )
                 continue
             self._wd[wd] = (d, p)
@@ -214,79 +201,26 @@ class LinkWatch:
                 except OSError:
                     continue
 
-    def start(self) -> LinkWatch:
-        self._fd = _lib().inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-        if self._fd < 0:
-            raise SandboxError(
-                f"cannot watch the agent's files for links: inotify: {os.strerror(ctypes.get_errno())}"
-            )
+    def _begin(self) -> None:
         for root, view in self.roots:
             self._add(root, view, appeared=False)
-        self._wake_r, self._wake_w = os.pipe()
-        self._thread = threading.Thread(target=self._loop, name="tmax-link-watch", daemon=True)
-        self._thread.start()
-        return self
 
-    def _read(self) -> bool:
-        try:
-            buf = os.read(self._fd, 1 << 16)
-        except BlockingIOError:
-            return False
-        i = 0
-        while i + _EVENT.size <= len(buf):
-            wd, mask, _cookie, n = _EVENT.unpack_from(buf, i)
-            name = os.fsdecode(buf[i + _EVENT.size : i + _EVENT.size + n].rstrip(b"\0"))
-            i += _EVENT.size + n
-            if mask & _IN_Q_OVERFLOW:
-                self._flag("too many files made during verification to check them for links")
-                continue
-            if mask & _IN_IGNORED:
-                self._wd.pop(wd, None)
-                continue
-            seen = self._wd.get(wd)
-            if seen is None or not name:
-                continue
-            d, parts = seen
-            if not parts and name in self.skip_top:
-                continue
-            path, child = os.path.join(d, name), (*parts, name)
-            if mask & _IN_ISDIR:
-                if not _bulky(child):
-                    self._add(path, child, appeared=True)
-            else:
-                self._check(path, child)
-        return True
-
-    def _loop(self) -> None:
-        try:
-            while not self._stop.is_set():
-                r, _, _ = select.select([self._fd, self._wake_r], [], [], 1.0)
-                if self._fd in r:
-                    self._read()
-        except Exception as e:  # noqa: BLE001 - a watch that stopped watching must not pass silently
-            self._flag(f"the watch for links during verification failed: {type(e).__name__}: {e}")
-
-    def stop(self) -> str | None:
-        if self._thread is not None:
-            self._stop.set()
-            os.write(self._wake_w, b"x")
-            self._thread.join()
-            while self._read():
-                pass
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-            self._thread = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        return self._reason
-
-
-_libc = None
-
-
-def _lib():
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    return _libc
+    def _event(self, wd: int, mask: int, name: str) -> None:
+        if mask & inotify.IN_Q_OVERFLOW:
+            self._flag("too many files made during verification to check them for links")
+            return
+        if mask & inotify.IN_IGNORED:
+            self._wd.pop(wd, None)
+            return
+        seen = self._wd.get(wd)
+        if seen is None or not name:
+            return
+        d, parts = seen
+        if not parts and name in self.skip_top:
+            return
+        path, child = os.path.join(d, name), (*parts, name)
+        if mask & inotify.IN_ISDIR:
+            if not _bulky(child):
+                self._add(path, child, appeared=True)
+        else:
+            self._check(path, child)

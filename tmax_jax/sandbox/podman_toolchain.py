@@ -20,17 +20,13 @@ which is protected), anything outside these dirs. A verifier that itself writes 
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import re
-import select
 import stat
-import struct
-import threading
 from pathlib import Path
 
-from tmax_jax.errors import SandboxError
+from tmax_jax.sandbox import inotify
 
 PATH_DIRS = ("usr/local/sbin", "usr/local/bin", "usr/sbin", "usr/bin", "sbin", "bin")
 # Dirs on the way to the toolchain: replacing or renaming one swaps everything below it.
@@ -316,41 +312,22 @@ def scan(upper: str | os.PathLike, lowers: list[str]) -> str | None:
 
 
 # ---- inotify -------------------------------------------------------------------------------------
-_IN_MODIFY, _IN_ATTRIB, _IN_CLOSE_WRITE = 0x2, 0x4, 0x8
-_IN_MOVED_FROM, _IN_MOVED_TO, _IN_CREATE, _IN_DELETE = 0x40, 0x80, 0x100, 0x200
-_IN_DELETE_SELF, _IN_MOVE_SELF, _IN_Q_OVERFLOW, _IN_IGNORED, _IN_ISDIR = (
-    0x400,
-    0x800,
-    0x4000,
-    0x8000,
-    0x40000000,
-)
-_IN_ONLYDIR, _IN_DONT_FOLLOW = 0x01000000, 0x02000000
 _MASK = (
-    _IN_MODIFY
-    | _IN_ATTRIB
-    | _IN_CLOSE_WRITE
-    | _IN_MOVED_FROM
-    | _IN_MOVED_TO
-    | _IN_CREATE
-    | _IN_DELETE
-    | _IN_DELETE_SELF
-    | _IN_MOVE_SELF
-    | _IN_ONLYDIR
-    | _IN_DONT_FOLLOW
+    inotify.IN_MODIFY
+    | inotify.IN_ATTRIB
+    | inotify.IN_CLOSE_WRITE
+    | inotify.IN_MOVED_FROM
+    | inotify.IN_MOVED_TO
+    | inotify.IN_CREATE
+    | inotify.IN_DELETE
+    | inotify.IN_DELETE_SELF
+    | inotify.IN_MOVE_SELF
+    | inotify.IN_ONLYDIR
+    | inotify.IN_DONT_FOLLOW
 )
-_EVENT = struct.Struct("iIII")
-_libc = None
 
 
-def _lib():
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    return _libc
-
-
-class Watch:
+class Watch(inotify.EventWatch):
     """Records changes to the toolchain dirs of an upper dir from ``start()`` to ``stop()``.
 
     ``stop()`` returns the first change found (a reason) or None. Dirs that appear while watching
@@ -358,27 +335,21 @@ class Watch:
     is still seen.
     """
 
+    what = "the verifier's toolchain"
+    thread_name = "tmax-toolchain-watch"
+
     def __init__(self, upper: str | os.PathLike):
+        super().__init__()
         self.upper = str(upper)
         self._wd: dict[int, str] = {}
-        self._reason: str | None = None
-        self._fd = -1
-        self._stop = threading.Event()
-        self._wake_r, self._wake_w = -1, -1
-        self._thread: threading.Thread | None = None
-
-    def _flag(self, reason: str) -> None:
-        if self._reason is None:
-            self._reason = reason
 
     def _add(self, rel: str, appeared: bool) -> None:
         full = os.path.join(self.upper, rel) if rel else self.upper
-        wd = _lib().inotify_add_watch(self._fd, os.fsencode(full), _MASK)
+        wd = self.add_watch(full, _MASK)
         if wd < 0:
-            err = ctypes.get_errno()
-            if err in (errno.ENOENT, errno.ENOTDIR):
+            if -wd in (errno.ENOENT, errno.ENOTDIR):
                 return
-            self._flag(f"cannot watch /{rel} for changes during verification: {os.strerror(err)}")
+            self._flag(f"cannot watch /{rel} for changes during verification: {os.strerror(-wd)}")
             return
         self._wd[wd] = rel
         try:
@@ -394,74 +365,31 @@ class Watch:
                 if not os.path.islink(os.path.join(self.upper, child)):
                     self._add(child, appeared)
 
-    def start(self) -> Watch:
-        self._fd = _lib().inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-        if self._fd < 0:
-            # A host limit (inotify instances), not the agent's doing.
-            raise SandboxError(
-                f"cannot watch the verifier's toolchain: inotify: {os.strerror(ctypes.get_errno())}"
-            )
+    def _begin(self) -> None:
         self._add("", appeared=False)
-        self._wake_r, self._wake_w = os.pipe()
-        self._thread = threading.Thread(target=self._loop, name="tmax-toolchain-watch", daemon=True)
-        self._thread.start()
-        return self
-
-    def _read(self) -> bool:
-        try:
-            buf = os.read(self._fd, 1 << 16)
-        except BlockingIOError:
-            return False
-        i = 0
-        while i + _EVENT.size <= len(buf):
-            wd, mask, _cookie, n = _EVENT.unpack_from(buf, i)
-            name = buf[i + _EVENT.size : i + _EVENT.size + n].rstrip(b"\0").decode(errors="replace")
-            i += _EVENT.size + n
-            self._event(wd, mask, name)
-        return True
 
     def _event(self, wd: int, mask: int, name: str) -> None:
-        if mask & _IN_Q_OVERFLOW:
+        if mask & inotify.IN_Q_OVERFLOW:
             self._flag("too many filesystem changes during verification to check them")
             return
-        if mask & _IN_IGNORED:
+        if mask & inotify.IN_IGNORED:
             self._wd.pop(wd, None)
             return
         base = self._wd.get(wd)
         if base is None:
             return
         if not name:
-            if mask & (_IN_DELETE_SELF | _IN_MOVE_SELF) and protected(base, True):
+            if mask & (inotify.IN_DELETE_SELF | inotify.IN_MOVE_SELF) and protected(base, True):
                 self._flag(f"/{base} was removed or moved while the verifier ran")
             return
         rel = f"{base}/{name}" if base else name
-        if protected(rel, bool(mask & _IN_ISDIR)):
+        if protected(rel, bool(mask & inotify.IN_ISDIR)):
             self._flag(f"/{rel} changed while the verifier ran")
-        if mask & _IN_ISDIR and mask & (_IN_CREATE | _IN_MOVED_TO):
+        if mask & inotify.IN_ISDIR and mask & (inotify.IN_CREATE | inotify.IN_MOVED_TO):
             if _toolchain_dir(rel):
                 self._flag(f"/{rel} appeared while the verifier ran")
             if _descend(rel):
                 self._add(rel, appeared=True)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            r, _, _ = select.select([self._fd, self._wake_r], [], [], 1.0)
-            if self._fd in r:
-                self._read()
-
-    def stop(self) -> str | None:
-        if self._thread is not None:
-            self._stop.set()
-            os.write(self._wake_w, b"x")
-            self._thread.join()
-            while self._read():
-                pass
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        return self._reason
 
 
 def lower_dirs(lower_dir_field: str) -> list[str]:
