@@ -96,6 +96,21 @@ def relative_to_baseline(score, baseline):
     return max(0.0, (score - baseline) / (1.0 - baseline)) * 0.99
 
 
+def _unprivileged():
+    """``subprocess`` arguments that run a child as the unprivileged user 65534, when this verifier
+    runs as root and that id is mapped in its user namespace (not in a single-id one); else {}."""
+    if _os.getuid() != 0:
+        return {}
+    for kind in ("uid", "gid"):
+        try:
+            ranges = [line.split() for line in _Path(f"/proc/self/{kind}_map").read_text().splitlines()]
+        except OSError:
+            return {}
+        if not any(int(first) <= 65534 < int(first) + int(count) for first, _, count in ranges):
+            return {}
+    return {"user": 65534, "group": 65534, "extra_groups": []}
+
+
 def run_untrusted(cmd, cwd, timeout=60):
     """Run ``cmd`` (a shell command that runs the agent's code: its Makefile, its script) on a copy
     of the dir ``cwd``, as an unprivileged user when the verifier runs as root, so that it can
@@ -108,12 +123,11 @@ def run_untrusted(cmd, cwd, timeout=60):
     with _tempfile.TemporaryDirectory() as tmp:
         work = _os.path.join(tmp, "work")
         _shutil.copytree(cwd, work, symlinks=True)
-        kw = {}
-        if _os.getuid() == 0:
+        kw = _unprivileged()
+        if kw:
             for d, dirs, files in _os.walk(tmp):
                 for n in [d, *(_os.path.join(d, f) for f in dirs + files)]:
-                    _os.lchown(n, 65534, 65534)
-            kw = {"user": 65534, "group": 65534, "extra_groups": []}
+                    _os.lchown(n, kw["user"], kw["group"])
         return _subprocess.run(
             cmd, shell=True, cwd=work, capture_output=True, text=True, timeout=timeout, **kw
         )

@@ -27,7 +27,9 @@ from tmax_jax.tasks.generator.registry import register
 # runs as root: its code (which runs on import) can neither rewrite the grader's functions in memory
 # (a frame walk to the caller's globals would) nor write the reward file. Calls and results cross a
 # pipe as Python literals (``ast.literal_eval``: no code, no pickle); an error in the module's call
-# raises ``ModuleCallError`` in the grader, which scores that case wrong.
+# raises ``ModuleCallError`` in the grader, which scores that case wrong. The child drops to 65534
+# itself once started (not ``Popen(user=...)`` as ``graders.run_untrusted`` does): the verifier's
+# interpreter may live where only root can reach it (a Python under /root).
 LOAD = '''
 import ast as _ast
 import subprocess as _sp
