@@ -28,6 +28,7 @@ Layout of one sandbox (the threat model is in sandboxes/README.md):
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import shutil
@@ -122,9 +123,6 @@ class BwrapSandbox(Sandbox):
         self.child_pid: int | None = None
         self._bpf = self.run_dir / "seccomp.bpf"
         self._verifications = 0
-        # The top-level links of the verifier's root being checked: a dir of real links with the
-        # targets ``_verifier_tree`` recorded (the agent may change its own after that).
-        self._verifier_links: Path | None = None
         # Copy-on-write base dirs (host root only): destination -> (base dir, merged mount point).
         self.overlays: dict[str, tuple[str, Path]] = {}
         self._upper = self.disk / "upper"
@@ -482,31 +480,31 @@ class BwrapSandbox(Sandbox):
         # bwrap's own root holds only mount points and symlinks: read-only.
         return args + [*self._late_args, "--remount-ro", "/"]
 
-    def _view_host(self, parts) -> str:
+    def _view_host(self, parts, links: Path | None = None) -> str:
         """The host path of a path of the agent's view (components): its copy-on-write dirs merged,
-        during a verification the top-level links the verifier's root was built with, the rest in
-        its state."""
+        the top-level links a verifier's root was built with (``links``, from ``_verifier_tree``;
+        the agent may change its own after that), the rest in its state."""
         dest = "/" + parts[0] if parts else "/"
         if dest in self.overlays:
             return os.path.join(self.overlays[dest][1], *parts[1:])
-        vlinks = self._verifier_links
-        if vlinks is not None and parts and os.path.lexists(vlinks / parts[0]):
-            return os.path.join(vlinks, *parts)  # the verifier's own top-level link
+        if links is not None and parts and os.path.lexists(links / parts[0]):
+            return os.path.join(links, *parts)
         return os.path.join(self.state, *parts)
 
-    def _link_roots(self) -> tuple[list, link_scan.HostOf, frozenset[str]]:
+    def _link_roots(self, links: Path | None = None) -> tuple[list, link_scan.HostOf, frozenset[str]]:
         """What the agent wrote, for ``link_scan``: its state (without the base's dirs and the
-        kernel's) and its copy-on-write changes of the base; how its view maps to host paths."""
+        kernel's), its copy-on-write changes of the base and the verifier's top-level ``links``; how
+        its view maps to host paths."""
         base = {d.lstrip("/").split("/")[0] for _, d in _dests(self._base_args)}
         roots = [(self.state, ())]
         roots += [(self._upper / d.lstrip("/"), (d.lstrip("/"),)) for d in self.overlays]
-        if self._verifier_links is not None:
-            roots.append((self._verifier_links, ()))
-        return roots, self._view_host, frozenset(base | _VERIFIER_OWN)
+        if links is not None:
+            roots.append((links, ()))
+        return roots, functools.partial(self._view_host, links=links), frozenset(base | _VERIFIER_OWN)
 
-    def _link_scan(self) -> str | None:
+    def _link_scan(self, links: Path | None = None) -> str | None:
         """A link the agent made that leads the verifier into its own files, as a reason."""
-        return link_scan.find_link_into_verifier(*self._link_roots())
+        return link_scan.find_link_into_verifier(*self._link_roots(links))
 
     def _command(
         self, env: dict[str, str], cwd: str, argv: list[str], die_with_parent: bool = True
@@ -559,6 +557,7 @@ class BwrapSandbox(Sandbox):
         # and outside the agent's disk quota (a full disk cannot keep the tests from being copied).
         vdir = self.stage / f"verifier-{self._verifications}"
         tests, logs = vdir / "tests", vdir / "logs"
+        vlinks = vdir / "links"  # the verifier root's top-level links, for the link checks
         cg = None
         try:
             shutil.copytree(tests_dir, tests, symlinks=True)
@@ -574,18 +573,16 @@ class BwrapSandbox(Sandbox):
                 self._host_prefix(cg)
                 + self._enter(("user", "net"))
                 + ["bwrap", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
-                + self._verifier_tree(tests, logs, vdir / "links")
+                + self._verifier_tree(tests, logs, vlinks)
                 + self._command(
                     self.verifier_environment({**plugin_env, **(env or {})}), "/tests", list(argv)
                 )
             )
-            if (vdir / "links").is_dir():
-                self._verifier_links = vdir / "links"
             # Links into the verifier's files: the watch sees those made from here on, the scans
             # those made before and left after.
-            links = link_scan.LinkWatch(*self._link_roots()).start()
+            links = link_scan.LinkWatch(*self._link_roots(vlinks)).start()
             try:
-                shadow = podman_toolchain.shadow_scan(self.state) or self._link_scan()
+                shadow = podman_toolchain.shadow_scan(self.state) or self._link_scan(vlinks)
                 if shadow:
                     return VerifierRun(ExecResult("", f"verifier not run: {shadow}\n", 1), {}, shadow)
                 if not self.overlays:
@@ -597,7 +594,7 @@ class BwrapSandbox(Sandbox):
                     return VerifierRun(
                         exec_result(got, self.cfg.max_output_bytes),
                         read_verifier_logs(logs / "verifier"),
-                        links.stop() or podman_toolchain.shadow_scan(self.state) or self._link_scan(),
+                        links.stop() or podman_toolchain.shadow_scan(self.state) or self._link_scan(vlinks),
                     )
                 # The verifier sees the agent's copy-on-write base, as under Docker: its toolchain is
                 # checked in the agent's upper dirs before, during and after (``podman_toolchain``).
@@ -621,13 +618,12 @@ class BwrapSandbox(Sandbox):
                     or links.stop()
                     or podman_toolchain.scan(self._upper, lowers)
                     or podman_toolchain.shadow_scan(self.state)
-                    or self._link_scan()
+                    or self._link_scan(vlinks)
                 )
             finally:
                 links.stop()
             return VerifierRun(result, {} if before else read_verifier_logs(logs / "verifier"), tampered)
         finally:
-            self._verifier_links = None
             if cg is not None:
                 cg.kill_all()
                 cg.remove()

@@ -5,6 +5,7 @@ first reason recorded with ``_flag``, which ``stop()`` returns."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import select
 import struct
@@ -28,12 +29,16 @@ def libc():
 
 
 class EventWatch:
-    """Subclasses add their watches in ``_begin`` (``add_watch``) and handle events in ``_event``."""
+    """Subclasses add their watches in ``_begin`` (``add_watch``, keeping what each watch descriptor
+    stands for in ``_wd``) and handle events in ``_event``; a lost event (queue overflow) is flagged
+    with ``overflow``."""
 
     what = "the agent's files"  # what is watched, for errors
     thread_name = "tmax-watch"
+    overflow = "too many filesystem changes during verification to check them"
 
     def __init__(self) -> None:
+        self._wd: dict = {}  # watch descriptor -> what the subclass watches there
         self._reason: str | None = None
         self._fd = -1
         self._stop = threading.Event()
@@ -44,16 +49,31 @@ class EventWatch:
         if self._reason is None:
             self._reason = reason
 
-    def add_watch(self, path: str, mask: int) -> int:
-        """The watch descriptor, or minus the errno."""
+    def add_watch(self, path: str, mask: int, shown: str) -> int | None:
+        """The watch descriptor; None when ``path`` is gone or not a dir (the agent is still
+        running), or cannot be watched, which is flagged ("cannot watch ``shown`` ...")."""
         wd = libc().inotify_add_watch(self._fd, os.fsencode(path), mask)
-        return wd if wd >= 0 else -ctypes.get_errno()
+        if wd >= 0:
+            return wd
+        err = ctypes.get_errno()
+        if err not in (errno.ENOENT, errno.ENOTDIR):
+            self._flag(f"cannot watch {shown} during verification: {os.strerror(err)}")
+        return None
 
     def _begin(self) -> None:
         raise NotImplementedError
 
-    def _event(self, wd: int, mask: int, name: str) -> None:
+    def _event(self, watched, mask: int, name: str) -> None:
+        """One event in the dir ``self._wd`` keeps as ``watched`` (``name``: the entry, '' for the dir)."""
         raise NotImplementedError
+
+    def _dispatch(self, wd: int, mask: int, name: str) -> None:
+        if mask & IN_Q_OVERFLOW:
+            self._flag(self.overflow)
+        elif mask & IN_IGNORED:
+            self._wd.pop(wd, None)
+        elif wd in self._wd:
+            self._event(self._wd[wd], mask, name)
 
     def start(self):
         self._fd = libc().inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -76,7 +96,7 @@ class EventWatch:
             wd, mask, _cookie, n = _EVENT.unpack_from(buf, i)
             name = os.fsdecode(buf[i + _EVENT.size : i + _EVENT.size + n].rstrip(b"\0"))
             i += _EVENT.size + n
-            self._event(wd, mask, name)
+            self._dispatch(wd, mask, name)
         return True
 
     def _loop(self) -> None:

@@ -17,7 +17,6 @@ like are not. Both backends call it before and after a verification (``run_verif
 
 from __future__ import annotations
 
-import errno
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -153,13 +152,13 @@ class LinkWatch(inotify.EventWatch):
 
     what = "the agent's files for links"
     thread_name = "tmax-link-watch"
+    overflow = "too many files made during verification to check them for links"
 
     def __init__(self, roots, host_of: HostOf, skip_top: frozenset[str] = frozenset()):
         super().__init__()
         self.roots = [(os.fspath(r), tuple(v)) for r, v in roots]
         self.host_of = host_of
         self.skip_top = skip_top
-        self._wd: dict[int, tuple[str, tuple[str, ...]]] = {}
 
     def _check(self, path: str, parts: tuple[str, ...]) -> None:
         try:
@@ -176,12 +175,8 @@ class LinkWatch(inotify.EventWatch):
         todo = [(path, parts)]
         while todo:
             d, p = todo.pop()
-            wd = self.add_watch(d, _MASK)
-            if wd < 0:
-                if -wd not in (errno.ENOENT, errno.ENOTDIR):
-                    self._flag(
-                        f"cannot watch /{'/'.join(p)} for links during verification: {os.strerror(-wd)}"
-                    )
+            wd = self.add_watch(d, _MASK, f"/{'/'.join(p)} for links")
+            if wd is None:
                 continue
             self._wd[wd] = (d, p)
             try:
@@ -205,17 +200,10 @@ class LinkWatch(inotify.EventWatch):
         for root, view in self.roots:
             self._add(root, view, appeared=False)
 
-    def _event(self, wd: int, mask: int, name: str) -> None:
-        if mask & inotify.IN_Q_OVERFLOW:
-            self._flag("too many files made during verification to check them for links")
+    def _event(self, watched: tuple[str, tuple[str, ...]], mask: int, name: str) -> None:
+        if not name:
             return
-        if mask & inotify.IN_IGNORED:
-            self._wd.pop(wd, None)
-            return
-        seen = self._wd.get(wd)
-        if seen is None or not name:
-            return
-        d, parts = seen
+        d, parts = watched
         if not parts and name in self.skip_top:
             return
         path, child = os.path.join(d, name), (*parts, name)

@@ -20,7 +20,6 @@ which is protected), anything outside these dirs. A verifier that itself writes 
 
 from __future__ import annotations
 
-import errno
 import os
 import re
 import stat
@@ -341,15 +340,11 @@ class Watch(inotify.EventWatch):
     def __init__(self, upper: str | os.PathLike):
         super().__init__()
         self.upper = str(upper)
-        self._wd: dict[int, str] = {}
 
     def _add(self, rel: str, appeared: bool) -> None:
         full = os.path.join(self.upper, rel) if rel else self.upper
-        wd = self.add_watch(full, _MASK)
-        if wd < 0:
-            if -wd in (errno.ENOENT, errno.ENOTDIR):
-                return
-            self._flag(f"cannot watch /{rel} for changes during verification: {os.strerror(-wd)}")
+        wd = self.add_watch(full, _MASK, f"/{rel} for changes")
+        if wd is None:
             return
         self._wd[wd] = rel
         try:
@@ -368,16 +363,7 @@ class Watch(inotify.EventWatch):
     def _begin(self) -> None:
         self._add("", appeared=False)
 
-    def _event(self, wd: int, mask: int, name: str) -> None:
-        if mask & inotify.IN_Q_OVERFLOW:
-            self._flag("too many filesystem changes during verification to check them")
-            return
-        if mask & inotify.IN_IGNORED:
-            self._wd.pop(wd, None)
-            return
-        base = self._wd.get(wd)
-        if base is None:
-            return
+    def _event(self, base: str, mask: int, name: str) -> None:
         if not name:
             if mask & (inotify.IN_DELETE_SELF | inotify.IN_MOVE_SELF) and protected(base, True):
                 self._flag(f"/{base} was removed or moved while the verifier ran")
