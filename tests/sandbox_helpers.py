@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 from pathlib import Path
 
 
@@ -27,6 +28,15 @@ def procs_in_ns(ns: str) -> list[int]:
             if state != "Z":
                 out.append(int(name))
     return out
+
+
+def procs_left_in_ns(ns: str, wait_s: float = 5.0) -> list[int]:
+    """``procs_in_ns`` once the kernel has had ``wait_s`` to finish killing them: when pid 1 of a
+    namespace dies, the others get SIGKILL, and on a loaded host they may take a moment to exit."""
+    deadline = time.monotonic() + wait_s
+    while (left := procs_in_ns(ns)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
 
 
 def sandbox_leftovers(cache_dir: str) -> list[str]:

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from sandbox_helpers import pid_ns, procs_in_ns
+from sandbox_helpers import pid_ns, procs_left_in_ns
 
 from tmax_jax.errors import SandboxError
 from tmax_jax.sandbox import EpisodeTimeout, SandboxConfig, SandboxPool
@@ -97,7 +97,7 @@ def test_failures_by_cause_and_cleanup_after_errors(cfg):
         f3.result()
         failures = pool.metrics.summary()["failures"]
     assert failures == {"error_ValueError": 1, "episode_timeout": 1, "sandbox_died": 1}
-    assert all(procs_in_ns(ns) == [] for ns in nss)
+    assert all(procs_left_in_ns(ns) == [] for ns in nss)
     assert _run_dirs(cfg) == []
 
 
@@ -128,5 +128,5 @@ def test_exception_in_the_with_block_kills_running_episodes(cfg):
         with pytest.raises(Exception):  # noqa: B017 - the episode is killed under it
             f.result(timeout=20)
     assert time.monotonic() - t0 < 20
-    assert all(procs_in_ns(ns) == [] for ns in nss)
+    assert all(procs_left_in_ns(ns) == [] for ns in nss)
     assert _run_dirs(cfg) == []

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from tmax_jax.errors import SandboxError
-from tmax_jax.sandbox import registry
+from tmax_jax.sandbox import registry, verifier_guard
 from tmax_jax.sandbox.config import ExecResult, SandboxConfig
 from tmax_jax.sandbox.procs import TRUNCATION_MARKER, run_capped
 
@@ -56,7 +56,14 @@ VERIFIER_ENV = {
 # Dockerfile pip-installs; offline, or on bwrap's read-only host Python, it is missing and pytest
 # would refuse the option. On PYTHONPATH rather than the user site, which virtualenvs skip.
 VERIFIER_PLUGIN_DIR = f"{VERIFIER_PYTHON_DIR}/plugins"
-VERIFIER_PLUGIN_ENV = {"PYTHONPATH": VERIFIER_PLUGIN_DIR, "PYTEST_PLUGINS": "tmax_ctrf"}
+# Every pytest the verifier runs loads ``tmax_guard`` (``verifier_guard.py``: what the code under test
+# may not do to the session), writing its records to GUARD_DIR, beside /logs/verifier.
+VERIFIER_PLUGIN_ENV = {
+    "PYTHONPATH": VERIFIER_PLUGIN_DIR,
+    "PYTEST_PLUGINS": verifier_guard.PLUGIN_NAME,
+    "TMAX_GUARD_DIR": verifier_guard.GUARD_DIR,
+    "TMAX_GUARD_TESTS": "/tests",
+}
 
 _USERCUSTOMIZE = """\
 # Written by tmax-jax for the verifier. The directory Python would have put first on sys.path (the
@@ -160,20 +167,23 @@ def _asks_for_ctrf(tests_copy: Path) -> bool:
 
 def write_verifier_python(tests_copy: Path) -> dict[str, str]:
     """Put the verifier's ``usercustomize`` into the copy of the tests that becomes /tests (one per
-    Python minor version the base may run, since the user site's path names it), and its ``--ctrf``
-    pytest plugin when the tests use that option. Returns what the verifier's environment adds for
-    them (``VERIFIER_PLUGIN_ENV``, or nothing)."""
+    Python minor version the base may run, since the user site's path names it), its guard plugin
+    (``verifier_guard``), and its ``--ctrf`` pytest plugin when the tests use that option. Returns
+    what the verifier's environment adds for them (``VERIFIER_PLUGIN_ENV``, with ``tmax_ctrf`` when
+    asked for); merge a task's own with ``verifier_guard.merge_env``."""
     base = Path(tests_copy) / Path(VERIFIER_PYTHON_DIR).relative_to("/tests")
     for minor in range(6, 20):
         site = base / "lib" / f"python3.{minor}" / "site-packages"
         site.mkdir(parents=True, exist_ok=True)
         (site / "usercustomize.py").write_text(_USERCUSTOMIZE)
-    if not _asks_for_ctrf(tests_copy):
-        return {}
     plugins = Path(tests_copy) / Path(VERIFIER_PLUGIN_DIR).relative_to("/tests")
     plugins.mkdir(parents=True, exist_ok=True)
-    (plugins / "tmax_ctrf.py").write_text(_CTRF_PLUGIN)
-    return dict(VERIFIER_PLUGIN_ENV)
+    (plugins / f"{verifier_guard.PLUGIN_NAME}.py").write_text(verifier_guard.plugin_text())
+    env = dict(VERIFIER_PLUGIN_ENV)
+    if _asks_for_ctrf(tests_copy):
+        (plugins / "tmax_ctrf.py").write_text(_CTRF_PLUGIN)
+        env["PYTEST_PLUGINS"] += ",tmax_ctrf"
+    return env
 
 
 # Variables that change how a shell or Python starts, or what it loads: never taken from the image
@@ -277,12 +287,15 @@ class VerifierRun:
 
     result: the verifier command's outcome. logs: the regular files the verifier left in its own
     ``/logs/verifier`` (name -> bytes, read from where no agent process can reach). tampered: a reason
-    when the backend found the verifier's toolchain changed by the agent (then the reward is 0).
+    when the backend found the verifier's toolchain changed by the agent, or its guard found the code
+    under test changing the session (then the reward is 0). suspect: a reason no positive reward of
+    this verification is trusted (a pytest session that never finished; ``verifier_guard``).
     """
 
     result: ExecResult
     logs: dict[str, bytes]
     tampered: str | None = None
+    suspect: str | None = None
 
 
 class Sandbox(abc.ABC):

@@ -38,9 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tmax_jax.errors import SandboxError
-from tmax_jax.sandbox import cgroup, link_scan, overlay, podman_toolchain, rootfs, seccomp
+from tmax_jax.sandbox import cgroup, link_scan, overlay, podman_toolchain, rootfs, seccomp, verifier_guard
 from tmax_jax.sandbox.base import (
     BASE_PATH,
+    VERIFIER_PYTHON_DIR,
     ExecResult,
     Sandbox,
     VerifierRun,
@@ -477,6 +478,11 @@ class BwrapSandbox(Sandbox):
             except OSError:
                 continue  # gone while we looked: the agent is still running
         args += [*self._kernel_mounts(), "--bind", str(tests), "/tests", "--bind", str(logs), "/logs"]
+        # The tests' own files and the verifier's Python, read-only: code the tests run cannot
+        # append to the test.sh that bash is still reading, nor change a plugin (``verifier_guard``).
+        own = str(Path(VERIFIER_PYTHON_DIR).relative_to("/tests"))
+        for rel in verifier_guard.readonly_test_files(tests, own):
+            args += ["--ro-bind", str(tests / rel), f"/tests/{rel}"]
         # bwrap's own root holds only mount points and symlinks: read-only.
         return args + [*self._late_args, "--remount-ro", "/"]
 
@@ -564,6 +570,8 @@ class BwrapSandbox(Sandbox):
             plugin_env = write_verifier_python(tests)
             tests.chmod(0o755)
             (logs / "verifier").mkdir(parents=True)
+            guard = logs / Path(verifier_guard.GUARD_DIR).relative_to("/logs")
+            guard.mkdir()
             self._give_to_sandbox(vdir)
             if self.cg is not None:
                 # Its own limits: a fork bomb the agent left running cannot starve the verifier.
@@ -575,7 +583,7 @@ class BwrapSandbox(Sandbox):
                 + ["bwrap", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
                 + self._verifier_tree(tests, logs, vlinks)
                 + self._command(
-                    self.verifier_environment({**plugin_env, **(env or {})}), "/tests", list(argv)
+                    self.verifier_environment(verifier_guard.merge_env(plugin_env, env)), "/tests", list(argv)
                 )
             )
             # Links into the verifier's files: the watch sees those made from here on, the scans
@@ -591,11 +599,10 @@ class BwrapSandbox(Sandbox):
                     )
                     self.exec_durations.append(got.duration_s)
                     # A shadowing module planted while the verifier ran (by a process the agent left).
-                    return VerifierRun(
-                        exec_result(got, self.cfg.max_output_bytes),
-                        read_verifier_logs(logs / "verifier"),
-                        links.stop() or podman_toolchain.shadow_scan(self.state) or self._link_scan(vlinks),
+                    tampered = (
+                        links.stop() or podman_toolchain.shadow_scan(self.state) or self._link_scan(vlinks)
                     )
+                    return self._verifier_run(exec_result(got, self.cfg.max_output_bytes), logs, tampered)
                 # The verifier sees the agent's copy-on-write base, as under Docker: its toolchain is
                 # checked in the agent's upper dirs before, during and after (``podman_toolchain``).
                 lowers = self._lowers()
@@ -622,12 +629,23 @@ class BwrapSandbox(Sandbox):
                 )
             finally:
                 links.stop()
-            return VerifierRun(result, {} if before else read_verifier_logs(logs / "verifier"), tampered)
+            if before:
+                return VerifierRun(result, {}, tampered)
+            return self._verifier_run(result, logs, tampered)
         finally:
             if cg is not None:
                 cg.kill_all()
                 cg.remove()
             overlay.remove_unmounted_tree(vdir)
+
+    @staticmethod
+    def _verifier_run(result: ExecResult, logs: Path, tampered: str | None) -> VerifierRun:
+        """What a verifier that ran left: its logs, and what its guard and reward files say."""
+        guarded, suspect = verifier_guard.read_records(
+            logs / Path(verifier_guard.GUARD_DIR).relative_to("/logs")
+        )
+        tampered = tampered or guarded or verifier_guard.reward_files_problem(logs / "verifier")
+        return VerifierRun(result, read_verifier_logs(logs / "verifier"), tampered, suspect)
 
     def shell_mark(self, session):
         # The shell's current descendants (earlier background jobs), found on the host side.

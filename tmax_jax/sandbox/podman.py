@@ -56,9 +56,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from tmax_jax.errors import SandboxError
-from tmax_jax.sandbox import link_scan, podman_toolchain, seccomp
+from tmax_jax.sandbox import link_scan, podman_toolchain, seccomp, verifier_guard
 from tmax_jax.sandbox.base import (
     VERIFIER_ENV,
+    VERIFIER_PYTHON_DIR,
     Sandbox,
     VerifierRun,
     exec_result,
@@ -357,8 +358,10 @@ class PodmanSandbox(Sandbox):
         vdir = self.run_dir / f"verify-{self._verifies}"
         tests, logs = vdir / "tests", vdir / "logs"
         shutil.copytree(tests_dir, tests, symlinks=True)
-        env = {**write_verifier_python(tests), **(env or {})}
+        env = verifier_guard.merge_env(write_verifier_python(tests), dict(env or {}))
         logs.mkdir()
+        guard = vdir / "guard"
+        guard.mkdir()
         # Owned by the container's root (a mapped uid), so that the verifier may write both.
         _chown_tree(vdir, ID_BASE, ID_BASE)
         try:
@@ -389,7 +392,11 @@ class PodmanSandbox(Sandbox):
                 or podman_toolchain.shadow_scan(upper)
                 or self._link_scan(merged, upper)
             )
-            return VerifierRun(result, {} if before else read_verifier_logs(logs, VERIFY_LOG_CAP), tampered)
+            if before:
+                return VerifierRun(result, {}, tampered)
+            guarded, suspect = verifier_guard.read_records(guard)
+            tampered = tampered or guarded or verifier_guard.reward_files_problem(logs)
+            return VerifierRun(result, read_verifier_logs(logs, VERIFY_LOG_CAP), tampered, suspect)
         finally:
             shutil.rmtree(vdir, ignore_errors=True)
 
@@ -412,8 +419,13 @@ class PodmanSandbox(Sandbox):
             # A hard stop that holds even if this process dies mid-verification.
             f"--timeout={math.ceil(limit) + 30}",
             "-v", f"{tests}:/tests", "-v", f"{logs}:/logs/verifier",
+            "-v", f"{Path(logs).parent / 'guard'}:{verifier_guard.GUARD_DIR}",
             "-w", "/tests",
         ]  # fmt: skip
+        # The tests' own files and the verifier's Python, read-only (``verifier_guard``).
+        own = str(Path(VERIFIER_PYTHON_DIR).relative_to("/tests"))
+        for rel in verifier_guard.readonly_test_files(tests, own):
+            args += ["-v", f"{tests / rel}:/tests/{rel}:ro"]
         for k, v in full_env.items():
             args += ["-e", f"{k}={v}"]
         args += ["--rootfs", merged, *argv]

@@ -253,5 +253,10 @@ def _verify(task: Task, sb: Sandbox, files: dict[str, bytes] | None = None) -> t
         reward = 1.0 if res.exit_code == 0 else 0.0
     else:
         reward = reading.value
+    if reward > 0.0 and (vr.suspect or 128 < res.exit_code <= 128 + 64):
+        # The session the reward rests on was ended from inside, or the shell that would have
+        # written 0 was killed (by code the tests ran: ``sandbox/verifier_guard.py``).
+        why = vr.suspect or f"the verifier was killed by signal {res.exit_code - 128} (exit {res.exit_code})"
+        return 0.0, f"reward not trusted: {why}", log
     reason = "ok" if reward >= 1.0 else "verifier failed"
     return reward, f"{reason} ({reading.note})" if reading.note else reason, log

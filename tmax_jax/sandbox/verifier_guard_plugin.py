@@ -1,0 +1,281 @@
+# Written by tmax-jax for the verifier (tmax_jax/sandbox/verifier_guard_plugin.py, copied into the
+# verifier's own /tests and loaded by PYTEST_PLUGINS in every pytest it runs). Never imported on the
+# host. Plain Python 3.6+ and pytest 6+: it runs on whatever the task's image has.
+#
+# Many verifiers run the agent's code inside pytest's process (import its module, call its function).
+# That code can end the session early with status 0 (os._exit, pytest.exit), mark the tests skipped
+# or xfailed (pytest.skip, unittest.SkipTest), swap pytest's runner or register a hook that rewrites
+# reports, or kill the shell that would write reward 0. This plugin notices those: it turns the
+# affected tests and the session into failures (so the verifier's own logic writes 0) and leaves a
+# record in $TMAX_GUARD_DIR, read by the host (``verifier_guard.py``), which scores 0 with the reason.
+# Code inside the process can always undo what is checked from inside it; this stops the simple,
+# learnable ways, and the host side catches a session that never finished.
+import json
+import os
+import sys
+import time
+
+import _pytest.main
+import _pytest.outcomes
+import _pytest.python
+import _pytest.reports
+import _pytest.runner
+import pluggy
+import pytest
+
+_TESTS = os.path.realpath(os.environ.get("TMAX_GUARD_TESTS", "/tests"))
+_DIR = os.environ.get("TMAX_GUARD_DIR")
+
+
+def _where(mod):
+    f = os.path.realpath(getattr(mod, "__file__", "") or "")
+    return os.path.dirname(f) if os.path.basename(f) == "__init__.py" else f
+
+
+# Code allowed to decide a test's outcome: the tests themselves, pytest, pluggy and this plugin.
+_TRUSTED = [_TESTS, os.path.dirname(_where(_pytest.main)), _where(pytest), _where(pluggy)]
+_TRUSTED.append(os.path.dirname(os.path.realpath(__file__)))
+# Frames that only relay an outcome someone else asked for (pytest.skip(), TestCase.skipTest()).
+_RELAYS = [os.path.realpath(_pytest.outcomes.__file__)]
+try:
+    import unittest.case
+
+    _RELAYS.append(os.path.realpath(unittest.case.__file__))
+except ImportError:  # pragma: no cover
+    pass
+
+
+# What skips or xfails a test (pytest.skip(), pytest.xfail(), unittest's SkipTest).
+_SKIPS = (_pytest.outcomes.Skipped, _pytest.outcomes.XFailed)
+try:
+    import unittest
+
+    _SKIPS += (unittest.SkipTest,)
+except ImportError:  # pragma: no cover
+    pass
+
+
+def _module_file(item):
+    """The test's own file (a verifier may run test files it copied out of /tests)."""
+    return getattr(getattr(item, "module", None), "__file__", None) or str(getattr(item, "fspath", ""))
+
+
+def _same(a, b):
+    return bool(a and b) and os.path.realpath(str(a)) == os.path.realpath(str(b))
+
+
+def _trusted(path):
+    p = os.path.realpath(path or "?")
+    return any(p == t or p.startswith(t.rstrip(os.sep) + os.sep) for t in _TRUSTED)
+
+
+# What runs a test and makes its report, as pytest and pluggy define them: compared by identity.
+def _watched():
+    out = []
+    for owner, names in (
+        (_pytest.python.Function, ("runtest", "setup")),
+        (_pytest.python, ("pytest_pyfunc_call",)),
+        (
+            _pytest.runner,
+            (
+                "runtestprotocol",
+                "call_and_report",
+                "call_runtest_hook",
+                "check_interactive_exception",
+                "pytest_runtest_protocol",
+                "pytest_runtest_call",
+                "pytest_runtest_makereport",
+            ),
+        ),
+        (_pytest.runner.CallInfo, ("from_call",)),
+        (_pytest.reports.TestReport, ("from_item_and_call", "__init__")),
+        (_pytest.main, ("pytest_runtestloop", "wrap_session")),
+        (_pytest.outcomes, ("skip", "xfail", "fail", "exit")),
+    ):
+        for name in names:
+            if name in vars(owner):
+                out.append((owner, name, vars(owner)[name]))
+    for modname in ("pluggy._callers", "pluggy.callers"):
+        mod = sys.modules.get(modname)
+        if mod is not None and "_multicall" in vars(mod):
+            out.append((mod, "_multicall", vars(mod)["_multicall"]))
+    for cls in (getattr(pluggy, "PluginManager", None), getattr(pluggy, "HookCaller", None)):
+        if cls is None:
+            continue
+        for name in ("_hookexec", "__call__", "call_historic", "get_hookimpls"):
+            if name in vars(cls):
+                out.append((cls, name, vars(cls)[name]))
+    return out
+
+
+_WATCHED = _watched()
+_state = {
+    "record": None, "pid": None, "ppid": None, "findings": [], "snapshot": None, "ran": set(),
+    "config": None, "worker": False, "inner": None,
+}  # fmt: skip
+
+
+def _note(msg):
+    if msg not in _state["findings"]:
+        _state["findings"].append(msg)
+    _write("finding")
+
+
+def _write(status):
+    path = _state["record"]
+    if not path or os.getpid() != _state["pid"]:
+        return
+    doc = {
+        "pid": _state["pid"], "argv": list(sys.argv)[:8], "status": status,
+        "findings": _state["findings"][:20],
+    }  # fmt: skip
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _code_file(fn):
+    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__func__", None), "__code__", None)
+    if code is None:
+        mod = sys.modules.get(getattr(type(fn), "__module__", "") or "")
+        return getattr(mod, "__file__", None)
+    return code.co_filename
+
+
+def _check_runner(when):
+    """pytest's runner and pluggy's calling code as they were when this plugin loaded; no hook
+    implementation added since the session started from outside the trusted code."""
+    for owner, name, orig in _WATCHED:
+        if vars(owner).get(name) is not orig:
+            what = getattr(owner, "__name__", repr(owner))
+            _note(f"{when}: {what}.{name} was replaced (by code under test)")
+    config = _state["config"]
+    if config is None or _state["snapshot"] is None:
+        return
+    if vars(config.pluginmanager).get("_inner_hookexec") is not _state["inner"]:
+        _note(f"{when}: pytest's hook calling was replaced (by code under test)")
+    for key, impl_file in _impls(config.pluginmanager):
+        if key not in _state["snapshot"] and not _trusted(impl_file) and not _is_conftest(impl_file):
+            _note(f"{when}: a pytest hook implementation was added from {impl_file}")
+
+
+def _impls(pm):
+    out = []
+    for name in dir(pm.hook):
+        caller = getattr(pm.hook, name, None)
+        get = getattr(caller, "get_hookimpls", None)
+        if get is None:
+            continue
+        try:
+            impls = get()
+        except Exception:
+            continue
+        for impl in impls:
+            out.append(((name, id(impl.plugin), id(impl.function)), _code_file(impl.function)))
+    return out
+
+
+def _is_conftest(path):
+    # pytest registers the conftest.py files of the dirs it collects: the verifier's own choice.
+    return os.path.basename(path or "") == "conftest.py"
+
+
+def _raiser(tb):
+    """The file and line of the code that raised an outcome: the innermost frame that is not
+    pytest's or unittest's relay of it."""
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        path = os.path.realpath(frame.f_code.co_filename)
+        if path not in _RELAYS:
+            return frame.f_code.co_filename, frame.f_lineno
+    return "?", 0
+
+
+def pytest_configure(config):
+    _state["config"] = config
+    _state["worker"] = hasattr(config, "workerinput")
+    _state["pid"], _state["ppid"] = os.getpid(), os.getppid()
+    if _DIR and _state["record"] is None:
+        _state["record"] = os.path.join(_DIR, f"{os.getpid()}-{int(time.time() * 1e6)}.json")
+        _write("started")
+
+
+def pytest_sessionstart(session):
+    _state["inner"] = vars(session.config.pluginmanager).get("_inner_hookexec")
+    _state["snapshot"] = {key for key, _ in _impls(session.config.pluginmanager)}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    rep = outcome.get_result()
+    own = str(getattr(collector, "fspath", "") or "")
+    if (
+        rep is not None
+        and rep.skipped
+        and isinstance(rep.longrepr, tuple)
+        and not _trusted(rep.longrepr[0])
+        and not _same(rep.longrepr[0], own)
+    ):
+        msg = f"collecting {rep.nodeid or '?'}: skipped by {rep.longrepr[0]}:{rep.longrepr[1]}"
+        _note(msg)
+        rep.outcome, rep.longrepr = "failed", "tmax-jax verifier guard: " + msg
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    excinfo = call.excinfo  # as raised: pytest's unittest support turns a SkipTest into its own skip
+    outcome = yield
+    rep = outcome.get_result()
+    if call.when == "call":
+        _state["ran"].add(item.nodeid)
+        _check_runner(f"test {item.nodeid}")
+    elif rep.skipped:
+        _state["ran"].add(item.nodeid)
+    if excinfo is None or not rep.skipped or not excinfo.errisinstance(_SKIPS):
+        return
+    path, line = _raiser(excinfo.tb)
+    if not _trusted(path) and not _same(path, _module_file(item)):
+        msg = f"test {item.nodeid}: {excinfo.typename} raised by {path}:{line}"
+        _note(msg)
+        rep.outcome, rep.longrepr = "failed", "tmax-jax verifier guard: " + msg
+        if hasattr(rep, "wasxfail"):
+            del rep.wasxfail
+
+
+def pytest_keyboard_interrupt(excinfo):
+    path, line = _raiser(excinfo.tb)
+    if not _trusted(path):
+        _note(f"the session was stopped ({excinfo.typename}) by {path}:{line}")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    _check_runner("session end")
+    config = session.config
+    if not _state["worker"] and int(exitstatus) == 0 and not config.getoption("collectonly", False):
+        missing = [i.nodeid for i in getattr(session, "items", []) if i.nodeid not in _state["ran"]]
+        if missing:
+            _note(f"{len(missing)} of {len(session.items)} tests never ran (first: {missing[0]})")
+    if os.getppid() != _state["ppid"]:
+        _note(f"the process that started pytest (pid {_state['ppid']}) ended while the tests ran")
+    if _state["findings"] and os.getpid() == _state["pid"]:
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    for msg in _state["findings"]:
+        terminalreporter.write_line("tmax-jax verifier guard: " + msg, red=True)
+
+
+def pytest_unconfigure(config):
+    if os.getpid() != _state["pid"]:
+        return
+    _write("finished")
