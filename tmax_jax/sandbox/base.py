@@ -63,6 +63,7 @@ VERIFIER_PLUGIN_ENV = {
     "PYTEST_PLUGINS": verifier_guard.PLUGIN_NAME,
     "TMAX_GUARD_DIR": verifier_guard.GUARD_DIR,
     "TMAX_GUARD_TESTS": "/tests",
+    "TMAX_GUARD_OWN_PIDNS": "1",  # every backend's verifier has a pid namespace of its own
 }
 
 _USERCUSTOMIZE = """\

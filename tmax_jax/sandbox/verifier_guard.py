@@ -15,7 +15,9 @@ What closes those, in every backend's ``run_verifier``:
   code outside the tests and pytest, a session stopped by it, a session that exits 0 with tests that
   never ran, a runner or hook changed after start-up, and a session whose parent died under it; it
   sets the session's exit status to 1 (so the verifier's own logic writes 0) and leaves a record in
-  ``/logs/tmax-guard``, beside and not in ``/logs/verifier``;
+  ``/logs/tmax-guard``, beside and not in ``/logs/verifier``; at its end it kills the processes the
+  session started and left running (one could rewrite ``reward.txt`` after the verifier's last
+  write; the verifier has a pid namespace of its own);
 * ``read_records`` here turns those records into the reason the reward is 0 (``VerifierRun.tampered``)
   and a session that started and never finished (ended from inside: ``os._exit``, ``exec``, a signal)
   into a reason no positive reward of that verification is trusted (``VerifierRun.suspect``);

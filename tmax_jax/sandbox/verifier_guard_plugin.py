@@ -66,6 +66,8 @@ def _same(a, b):
 
 def _trusted(path):
     p = os.path.realpath(path or "?")
+    if p in _state["plugin_files"] or os.path.basename(p) == "conftest.py":
+        return True
     return any(p == t or p.startswith(t.rstrip(os.sep) + os.sep) for t in _TRUSTED)
 
 
@@ -111,7 +113,7 @@ def _watched():
 _WATCHED = _watched()
 _state = {
     "record": None, "pid": None, "ppid": None, "findings": [], "snapshot": None, "ran": set(),
-    "config": None, "worker": False, "inner": None,
+    "config": None, "worker": False, "inner": None, "plugin_files": set(), "pids": None,
 }  # fmt: skip
 
 
@@ -159,7 +161,7 @@ def _check_runner(when):
     if vars(config.pluginmanager).get("_inner_hookexec") is not _state["inner"]:
         _note(f"{when}: pytest's hook calling was replaced (by code under test)")
     for key, impl_file in _impls(config.pluginmanager):
-        if key not in _state["snapshot"] and not _trusted(impl_file) and not _is_conftest(impl_file):
+        if key not in _state["snapshot"] and not _trusted(impl_file):
             _note(f"{when}: a pytest hook implementation was added from {impl_file}")
 
 
@@ -179,11 +181,6 @@ def _impls(pm):
     return out
 
 
-def _is_conftest(path):
-    # pytest registers the conftest.py files of the dirs it collects: the verifier's own choice.
-    return os.path.basename(path or "") == "conftest.py"
-
-
 def _raiser(tb):
     """The file and line of the code that raised an outcome: the innermost frame that is not
     pytest's or unittest's relay of it."""
@@ -198,8 +195,52 @@ def _raiser(tb):
     return "?", 0
 
 
+def _pids():
+    try:
+        return {int(n) for n in os.listdir("/proc") if n.isdigit()}
+    except OSError:
+        return None
+
+
+def _ancestors():
+    out, pid = set(), os.getpid()
+    while pid > 1 and pid not in out:
+        out.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return out
+
+
+def _kill_leftovers():
+    """Kill what started during the session and still runs (a process the code under test left to
+    rewrite the reward after the verifier's last write). Only in a verifier's own pid namespace."""
+    before = _state["pids"]
+    now = _pids()
+    if before is None or now is None:
+        return
+    import signal
+
+    keep = before | _ancestors() | {1}
+    for _ in range(5):  # again, for what they forked meanwhile
+        left = sorted(now - keep)
+        if not left:
+            return
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.01)
+        now = _pids() or set()
+
+
 def pytest_configure(config):
     _state["config"] = config
+    if _DIR and os.environ.get("TMAX_GUARD_OWN_PIDNS") == "1":
+        _state["pids"] = _pids()
     _state["worker"] = hasattr(config, "workerinput")
     _state["pid"], _state["ppid"] = os.getpid(), os.getppid()
     if _DIR and _state["record"] is None:
@@ -208,7 +249,13 @@ def pytest_configure(config):
 
 
 def pytest_sessionstart(session):
-    _state["inner"] = vars(session.config.pluginmanager).get("_inner_hookexec")
+    pm = session.config.pluginmanager
+    _state["inner"] = vars(pm).get("_inner_hookexec")
+    # The plugins the session started with (pytest's, the image's, the verifier's -p): theirs to skip.
+    for plugin in pm.get_plugins():
+        f = getattr(plugin, "__file__", None) or _code_file(plugin)
+        if f:
+            _state["plugin_files"].add(os.path.realpath(f))
     _state["snapshot"] = {key for key, _ in _impls(session.config.pluginmanager)}
 
 
@@ -278,4 +325,5 @@ def pytest_terminal_summary(terminalreporter):
 def pytest_unconfigure(config):
     if os.getpid() != _state["pid"]:
         return
+    _kill_leftovers()
     _write("finished")
