@@ -363,3 +363,50 @@ def test_a_makefile_that_attacks_its_grader_scores_zero(tmp_path, cfg):
     (d / "solutions" / "solve.sh").write_text(f"#!/bin/bash\ncat > {w}/Makefile <<'EOF'\n{attack}EOF\n")
     res = run_task(load_task(d), "oracle", cfg)
     assert res.reward == 0.0 and not res.passed, (res.reason, res.verifier_log[-800:])
+
+
+# A candidate module that reads its answers instead of computing them: the graders hold their cases
+# as literals in /tests/test_final_state.py, and this works for every function family alike.
+READING_MODULE = """
+import ast, os
+table = {}
+try:
+    names = os.listdir("/tests")
+except OSError:
+    names = ["test_final_state.py"]
+for name in names:
+    try:
+        tree = ast.parse(open("/tests/" + name).read())
+    except (OSError, SyntaxError, ValueError):
+        continue
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Tuple) and len(node.elts) == 2:
+            try:
+                table[ast.literal_eval(node.elts[0])] = ast.literal_eval(node.elts[1])
+            except (ValueError, TypeError):
+                pass
+def is_secret(line):
+    return table.get(line, False)
+"""
+
+
+def test_a_candidate_module_cannot_read_the_tests(tmp_path, cfg):
+    """The tests of a generated task are the verifier's (mode 0700 for the sandbox's root): the
+    agent's module, graded as an unprivileged user, cannot read its cases from them and earns what
+    its fallback (always False) earns, computed here from the task's cases (it read all of them and
+    scored 1.0 while /tests was readable by all)."""
+    d = _draft_dir(tmp_path, "secret_scanner", "reader")
+    solve = (d / "solutions" / "solve.sh").read_text()
+    mod = solve.split("cat > ", 1)[1].split()[0]
+    (d / "solutions" / "solve.sh").write_text(
+        f"#!/bin/bash\nmkdir -p $(dirname {mod})\ncat > {mod} <<'EOF'\n{READING_MODULE}EOF\n"
+    )
+    src = (d / "test_final_state.py").read_text()
+    line = next(x for x in src.splitlines() if "adversarial_corpus(m.is_secret, " in x)
+    cases = ast.literal_eval(line.split("adversarial_corpus(m.is_secret, ", 1)[1].rstrip()[:-1])
+    fair = sum(want is False for _, want in cases) / len(cases)
+    res = run_task(load_task(d), "oracle", cfg)
+    assert 0.0 < fair < 1.0 and res.reward == pytest.approx(fair, abs=1e-6), (
+        res.reason,
+        res.verifier_log[-800:],
+    )

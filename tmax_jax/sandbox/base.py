@@ -613,6 +613,7 @@ class Sandbox(abc.ABC):
         *,
         timeout: float,
         env: Mapping[str, str] | None = None,
+        private: bool = False,
     ) -> VerifierRun:
         """Run a verifier the agent cannot reach, over the agent's current filesystem and network.
 
@@ -620,6 +621,8 @@ class Sandbox(abc.ABC):
         created, both only in the verifier's own mount namespace; agent processes (which may still
         be running, as services the tests talk to) can neither see them nor see or signal the
         verifier's processes. ``argv`` runs with ``VERIFIER_ENV`` (plus ``env``) in ``/tests``.
+        ``private``: /tests is mode 0700 for the verifier's root, so that what its tests run as
+        another user (the agent's code, graded unprivileged) cannot read the tests' cases.
         """
         raise SandboxError(f"the {self.backend} backend cannot run an isolated verifier")
 

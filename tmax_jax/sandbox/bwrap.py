@@ -554,7 +554,7 @@ class BwrapSandbox(Sandbox):
             + self._command(env, cwd, argv, die_with_parent=False)
         )
 
-    def run_verifier(self, tests_dir, argv, *, timeout, env=None) -> VerifierRun:
+    def run_verifier(self, tests_dir, argv, *, timeout, env=None, private=False) -> VerifierRun:
         if self.child_pid is None or not self._alive():
             raise SandboxError(f"sandbox {self.id} is not running")
         timeout = self.clamp_timeout(timeout)
@@ -568,7 +568,7 @@ class BwrapSandbox(Sandbox):
         try:
             shutil.copytree(tests_dir, tests, symlinks=True)
             plugin_env = write_verifier_python(tests)
-            tests.chmod(0o755)
+            tests.chmod(0o700 if private else 0o755)
             (logs / "verifier").mkdir(parents=True)
             guard = logs / Path(verifier_guard.GUARD_DIR).relative_to("/logs")
             guard.mkdir()

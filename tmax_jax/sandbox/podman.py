@@ -340,6 +340,7 @@ class PodmanSandbox(Sandbox):
         *,
         timeout: float,
         env: Mapping[str, str] | None = None,
+        private: bool = False,
     ) -> VerifierRun:
         tests_dir = Path(tests_dir)
         if not tests_dir.is_dir():
@@ -364,6 +365,7 @@ class PodmanSandbox(Sandbox):
         guard.mkdir()
         # Owned by the container's root (a mapped uid), so that the verifier may write both.
         _chown_tree(vdir, ID_BASE, ID_BASE)
+        tests.chmod(0o700 if private else 0o755)
         try:
             watch = podman_toolchain.Watch(upper).start()
             try:

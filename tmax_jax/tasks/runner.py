@@ -135,7 +135,7 @@ def initial_state(task: Task, sb: Sandbox) -> tuple[bool, str, str]:
         return True, "no initial-state test", ""
     with _tests_dir(task.initial_test, "test_initial_state.py") as d:
         vr = sb.run_verifier(
-            d, [*PYTEST, "/tests/test_initial_state.py"], timeout=task.limits.verifier_timeout_s
+            d, [*PYTEST, "/tests/test_initial_state.py"], timeout=task.limits.verifier_timeout_s, private=True
         )
     res = vr.result
     if res.ok:
@@ -235,7 +235,10 @@ def _verify(task: Task, sb: Sandbox, files: dict[str, bytes] | None = None) -> t
         )
     else:
         with _tests_dir(task.final_test, "test_final_state.py") as d:
-            vr = sb.run_verifier(d, [*PYTEST, "/tests/test_final_state.py"], timeout=lim.verifier_timeout_s)
+            # TMAX graders run the agent's code as an unprivileged user: /tests is not theirs to read.
+            vr = sb.run_verifier(
+                d, [*PYTEST, "/tests/test_final_state.py"], timeout=lim.verifier_timeout_s, private=True
+            )
     if files is not None:
         files.update(vr.logs)
     res = vr.result
