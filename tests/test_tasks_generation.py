@@ -410,3 +410,19 @@ def test_a_candidate_module_cannot_read_the_tests(tmp_path, cfg):
         res.reason,
         res.verifier_log[-800:],
     )
+
+
+def test_a_graded_module_imports_the_standard_library(tmp_path, cfg):
+    """The grader runs the agent's module as an unprivileged user: a module importing standard
+    library modules the grader's child had not loaded yet (json, glob, textwrap) still scores 1.0,
+    wherever the host's Python lives (here under /root, whose dirs bwrap made 0700)."""
+    d = _draft_dir(tmp_path, "secret_scanner", "stdlib")
+    solve = (d / "solutions" / "solve.sh").read_text()
+    mod = solve.split("cat > ", 1)[1].split()[0]
+    text = solve.replace(
+        f"cat > {mod} <<'EOF'\n", f"cat > {mod} <<'EOF'\nimport glob, json, textwrap  # noqa\n", 1
+    )
+    assert text != solve
+    (d / "solutions" / "solve.sh").write_text(text)
+    res = run_task(load_task(d), "oracle", cfg)
+    assert (res.reward, res.passed) == (1.0, True), (res.reason, res.verifier_log[-800:])

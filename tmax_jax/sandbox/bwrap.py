@@ -35,7 +35,7 @@ import shutil
 import subprocess
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from tmax_jax.errors import SandboxError
 from tmax_jax.sandbox import cgroup, link_scan, overlay, podman_toolchain, rootfs, seccomp, verifier_guard
@@ -213,6 +213,17 @@ class BwrapSandbox(Sandbox):
             overlay.prepare_mask(self._mask / name, src, dest, self._layer_dir(dest))
         self._base_args = self._reachable(self.rootfs.args)
         self._late_args = self._reachable(self.rootfs.late_args)
+        # Mount points in the state for binds of the base's own (the host Python's prefix under
+        # /root), each dir on the way searchable by all, as the host's /usr is: bwrap would make the
+        # missing ones 0700, and a verifier's unprivileged child (a grader running the agent's code
+        # as 65534) could then import no module of the standard library it had not loaded already.
+        for _, dest in _dests(self.rootfs.late_args):
+            rel = PurePosixPath(dest).relative_to("/")
+            for depth in range(2, len(rel.parts) + 1):
+                d = self.state.joinpath(*rel.parts[:depth])
+                if not os.path.lexists(d):
+                    d.mkdir(mode=0o755)
+                    d.chmod(0o755)
         # The state is the agent's root directory: the base's top-level symlinks (/bin -> usr/bin)
         # live in it, made once here (bwrap refuses to remake a symlink that exists).
         for target, dest in _symlinks(self._base_args):
