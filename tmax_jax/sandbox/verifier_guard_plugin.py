@@ -110,10 +110,9 @@ def _watched():
     return out
 
 
-_WATCHED = _watched()
 _state = {
     "record": None, "pid": None, "ppid": None, "findings": [], "snapshot": None, "ran": set(),
-    "config": None, "worker": False, "inner": None, "plugin_files": set(), "pids": None,
+    "config": None, "worker": False, "inner": None, "plugin_files": set(), "pids": None, "watched": [],
 }  # fmt: skip
 
 
@@ -151,7 +150,7 @@ def _code_file(fn):
 def _check_runner(when):
     """pytest's runner and pluggy's calling code as they were when this plugin loaded; no hook
     implementation added since the session started from outside the trusted code."""
-    for owner, name, orig in _WATCHED:
+    for owner, name, orig in _state["watched"]:
         if vars(owner).get(name) is not orig:
             what = getattr(owner, "__name__", repr(owner))
             _note(f"{when}: {what}.{name} was replaced (by code under test)")
@@ -237,7 +236,15 @@ def _kill_leftovers():
         now = _pids() or set()
 
 
+def _primary(config):
+    """The session this process started with: a pytest run in-process by a test (pytester,
+    ``pytest.main``) is left alone, and leaves this state alone."""
+    return config is _state["config"]
+
+
 def pytest_configure(config):
+    if _state["config"] is not None:
+        return
     _state["config"] = config
     if _DIR and os.environ.get("TMAX_GUARD_OWN_PIDNS") == "1":
         _state["pids"] = _pids()
@@ -249,7 +256,12 @@ def pytest_configure(config):
 
 
 def pytest_sessionstart(session):
+    if not _primary(session.config):
+        return
     pm = session.config.pluginmanager
+    # As the session starts: after every plugin's import and configure, before any test module
+    # (and the code under test it imports) is.
+    _state["watched"] = _watched()
     _state["inner"] = vars(pm).get("_inner_hookexec")
     # The plugins the session started with (pytest's, the image's, the verifier's -p): theirs to skip.
     for plugin in pm.get_plugins():
@@ -265,7 +277,8 @@ def pytest_make_collect_report(collector):
     rep = outcome.get_result()
     own = str(getattr(collector, "fspath", "") or "")
     if (
-        rep is not None
+        _primary(collector.config)
+        and rep is not None
         and rep.skipped
         and isinstance(rep.longrepr, tuple)
         and not _trusted(rep.longrepr[0])
@@ -281,6 +294,8 @@ def pytest_runtest_makereport(item, call):
     excinfo = call.excinfo  # as raised: pytest's unittest support turns a SkipTest into its own skip
     outcome = yield
     rep = outcome.get_result()
+    if not _primary(item.config):
+        return
     if call.when == "call":
         _state["ran"].add(item.nodeid)
         _check_runner(f"test {item.nodeid}")
@@ -305,8 +320,10 @@ def pytest_keyboard_interrupt(excinfo):
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
-    _check_runner("session end")
     config = session.config
+    if not _primary(config):
+        return
+    _check_runner("session end")
     if not _state["worker"] and int(exitstatus) == 0 and not config.getoption("collectonly", False):
         missing = [i.nodeid for i in getattr(session, "items", []) if i.nodeid not in _state["ran"]]
         if missing:
@@ -318,12 +335,14 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter):
+    if not _primary(terminalreporter.config):
+        return
     for msg in _state["findings"]:
         terminalreporter.write_line("tmax-jax verifier guard: " + msg, red=True)
 
 
 def pytest_unconfigure(config):
-    if os.getpid() != _state["pid"]:
+    if not _primary(config) or os.getpid() != _state["pid"]:
         return
     _kill_leftovers()
     _write("finished")

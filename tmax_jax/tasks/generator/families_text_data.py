@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import sqlite3
 import subprocess
 import tempfile
+import wave
 from pathlib import Path
 
 from tmax_jax.tasks.generator.base import (
@@ -378,7 +380,7 @@ class AudioMetadata(Family):
 
     def make(self, rng, sig):
         w = workdir(rng)
-        fixtures = {}
+        fixtures, lines = {}, []
         with tempfile.TemporaryDirectory() as tmp:
             for i in range(1 + COMPLEXITY_SCALE[sig.task_complexity]):
                 name = f"{word(rng)}{i}.wav"
@@ -395,6 +397,12 @@ class AudioMetadata(Family):
                     capture_output=True,
                 )
                 fixtures[name] = final.read_bytes()
+                with wave.open(str(final)) as wf:
+                    rate, frames = wf.getframerate(), wf.getnframes()
+                lines.append(f"{name} {rate} {frames / rate:.2f}")
+        # The report the fixtures call for, fixed now: graded against the agent's own dir, deleting
+        # the .wav files made an empty report the right one.
+        want = "\n".join(sorted(lines))
         out = f"{w}/audio_report.txt"
         prompt = persona_prompt(
             rng,
@@ -405,17 +413,12 @@ class AudioMetadata(Family):
         )
         solve = f'cd {w}\nfor f in $(ls *.wav | sort); do printf \'%s %s %.2f\\n\' "$f" "$(soxi -r "$f")" "$(soxi -D "$f")"; done > {out}\n'
         check = f"""
-            import wave
             from pathlib import Path
             def grade():
                 p = Path({out!r})
                 if not p.is_file():
                     return 0.0
-                want = []
-                for f in sorted(Path({w!r}).glob('*.wav')):
-                    with wave.open(str(f)) as wf:
-                        want.append(f"{{f.name}} {{wf.getframerate()}} {{wf.getnframes() / wf.getframerate():.2f}}")
-                return exact_text(p.read_text(), chr(10).join(want))
+                return exact_text(p.read_text(), {want!r})
             """
         return TaskDraft(
             self.name,
@@ -489,7 +492,11 @@ class RegressionPredict(Family):
         truth = [a * x + b for x in tx]
         out = f"{w}/predictions.txt"
         bound = 3 * noise
-        worst = max(1.0, abs(a) * 30)
+        # No credit for predicting the training mean (its RMSE is ~|a| * 29 here): partial credit
+        # runs from the bound down to half of that constant predictor's error.
+        mean_y = sum(a * x + b for x in xs) / len(xs)
+        rmse_mean = math.sqrt(sum((mean_y - t) ** 2 for t in truth) / len(truth))
+        worst = max(2 * bound, 0.5 * rmse_mean)
         prompt = persona_prompt(
             rng,
             sig.persona,
