@@ -321,15 +321,26 @@ try:
 except OSError:
     pass
 def is_secret(line):
-    return False
+    return line.startswith("key=")
 """
+
+
+def _fair_share(d: Path, predict) -> float:
+    """What ``predict`` earns on a secret_scanner task's cases under its grading (credit above the
+    best constant answer), computed from the cases its test file holds."""
+    src = (d / "test_final_state.py").read_text()
+    line = next(x for x in src.splitlines() if x.strip().startswith("cases = ["))
+    cases = ast.literal_eval(line.split("=", 1)[1].strip())
+    share = sum(predict(x) == want for x, want in cases) / len(cases)
+    base = max(sum(want is c for _, want in cases) / len(cases) for c in (True, False))
+    return graders.relative_to_baseline(share, base)
 
 
 def test_a_candidate_module_that_attacks_its_grader_scores_what_its_function_earns(tmp_path, cfg):
     """The code families load the agent's module to grade it: its code runs on import. Graded in a
-    process of its own as an unprivileged user, it earns what ``is_secret`` (always False) earns on
-    the cases, computed here from the task's parameters, and no more (in the grader's process it
-    scored 1.0)."""
+    process of its own as an unprivileged user, it earns what ``is_secret`` (lines starting "key=")
+    earns on the cases, computed here from the task's cases, and no more (in the grader's process
+    it scored 1.0)."""
     d = _draft_dir(tmp_path, "secret_scanner", "attack")
     solve = (d / "solutions" / "solve.sh").read_text()
     mod = solve.split("cat > ", 1)[1].split()[0]
@@ -337,10 +348,7 @@ def test_a_candidate_module_that_attacks_its_grader_scores_what_its_function_ear
         f"#!/bin/bash\nmkdir -p $(dirname {mod})\ncat > {mod} <<'EOF'\n{ATTACKING_MODULE}EOF\n"
     )
     task = load_task(d)
-    src = (d / "test_final_state.py").read_text()
-    line = next(x for x in src.splitlines() if "adversarial_corpus(m.is_secret, " in x)
-    cases = ast.literal_eval(line.split("adversarial_corpus(m.is_secret, ", 1)[1].rstrip()[:-1])
-    fair = sum(want is False for _, want in cases) / len(cases)
+    fair = _fair_share(d, lambda line: line.startswith("key="))
     res = run_task(task, "oracle", cfg)
     assert 0.0 < fair < 1.0 and res.reward == pytest.approx(fair, abs=1e-6), (
         res.reason,
@@ -386,25 +394,22 @@ for name in names:
             except (ValueError, TypeError):
                 pass
 def is_secret(line):
-    return table.get(line, False)
+    return table.get(line, line.startswith("key="))
 """
 
 
 def test_a_candidate_module_cannot_read_the_tests(tmp_path, cfg):
     """The tests of a generated task are the verifier's (mode 0700 for the sandbox's root): the
     agent's module, graded as an unprivileged user, cannot read its cases from them and earns what
-    its fallback (always False) earns, computed here from the task's cases (it read all of them and
-    scored 1.0 while /tests was readable by all)."""
+    its fallback (lines starting "key=") earns, computed here from the task's cases (it read all of
+    them and scored 1.0 while /tests was readable by all)."""
     d = _draft_dir(tmp_path, "secret_scanner", "reader")
     solve = (d / "solutions" / "solve.sh").read_text()
     mod = solve.split("cat > ", 1)[1].split()[0]
     (d / "solutions" / "solve.sh").write_text(
         f"#!/bin/bash\nmkdir -p $(dirname {mod})\ncat > {mod} <<'EOF'\n{READING_MODULE}EOF\n"
     )
-    src = (d / "test_final_state.py").read_text()
-    line = next(x for x in src.splitlines() if "adversarial_corpus(m.is_secret, " in x)
-    cases = ast.literal_eval(line.split("adversarial_corpus(m.is_secret, ", 1)[1].rstrip()[:-1])
-    fair = sum(want is False for _, want in cases) / len(cases)
+    fair = _fair_share(d, lambda line: line.startswith("key="))
     res = run_task(load_task(d), "oracle", cfg)
     assert 0.0 < fair < 1.0 and res.reward == pytest.approx(fair, abs=1e-6), (
         res.reason,

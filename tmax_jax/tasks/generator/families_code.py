@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import subprocess
 import tempfile
 import textwrap
@@ -70,9 +71,9 @@ for line in sys.stdin:
 class ModuleCallError(Exception):
     pass
 class _Remote:
-    def __init__(self, path, name):
+    def __init__(self, path, name, extra=()):
         self._p = _sp.Popen(
-            [_sys_l.executable, "-c", _CHILD, path, name, repr(list(_sys_l.path))],
+            [_sys_l.executable, "-c", _CHILD, path, name, repr([*extra, *_sys_l.path])],
             stdin=_sp.PIPE, stdout=_sp.PIPE, text=True,
         )
         kind, *rest = self._reply()
@@ -98,8 +99,8 @@ class _Remote:
                 return reply[1]
             raise ModuleCallError(f"{fn}: {reply[1:]}")
         return call
-def _load(path, name):
-    return _Remote(path, name)
+def _load(path, name, extra=()):
+    return _Remote(path, name, extra)
 '''
 
 
@@ -121,11 +122,8 @@ class SecretScanner(Family):
     )
     verifier_kind = "adversarial_corpus"
 
-    def make(self, rng, sig):
-        w = workdir(rng)
-        prefix = rng.choice(["AKIA", "TMXK", "SKEY"])
-        n = rng.choice([16, 20])
-        mod = f"{w}/scanner.py"
+    @staticmethod
+    def _cases(rng, prefix, n):
         good = [f"{prefix}{_alnum(rng, n)}" for _ in range(6)]
         cases = [(f"key={g}", True) for g in good[:2]] + [
             (f"{word(rng)} {g} {word(rng)}", True) for g in good[2:4]
@@ -137,6 +135,26 @@ class SecretScanner(Family):
             (f"{good[5]}Z", False),
         ]
         cases += [(f"{prefix}{_alnum(rng, n - 2)}ab", False), (f"({good[5]})", True), (ident(rng, 4), False)]
+        return cases
+
+    def make(self, rng, sig):
+        w = workdir(rng)
+        prefix = rng.choice(["AKIA", "TMXK", "SKEY"])
+        n = rng.choice([16, 20])
+        mod = f"{w}/scanner.py"
+        cases = self._cases(rng, prefix, n)
+
+        # The samples fixture shows the same kinds of lines, drawn afresh: none of its keys is in a
+        # graded case, so a module that memorises the samples earns what its fallback earns (they
+        # were the grader's first six cases, answers included: a lookup table scored 0.917).
+        def tokens(lines):
+            return {t for x, _ in lines for t in re.findall(r"[A-Za-z0-9]{8,}", x)}
+
+        while True:
+            shown = self._cases(rng, prefix, n)
+            shown = shown[:4] + shown[4:6]
+            if not tokens(shown) & tokens(cases):
+                break
         prompt = persona_prompt(
             rng,
             sig.persona,
@@ -146,7 +164,7 @@ class SecretScanner(Family):
             token is not glued to further letters or digits on either side. Sample lines are in
             {w}/samples.txt (one per line, with the expected answer after a tab).""",
         )
-        samples = "".join(f"{x}\t{y}\n" for x, y in cases[:4] + cases[4:6])
+        samples = "".join(f"{x}\t{y}\n" for x, y in shown)
         solve = f"""cat > {mod} <<'EOF'
 import re
 _PAT = re.compile(r'(?<![A-Za-z0-9]){prefix}[A-Z0-9]{{{n}}}(?![A-Za-z0-9])')
@@ -164,7 +182,10 @@ EOF"""
                     m = _load({mod!r}, 'scanner')
                 except Exception:
                     return 0.0
-                return adversarial_corpus(m.is_secret, {cases!r})
+                cases = {cases!r}
+                # Credit only above the best constant answer (always False was right on 7 of 12).
+                base = max(adversarial_corpus(lambda x: c, cases) for c in (True, False))
+                return relative_to_baseline(adversarial_corpus(m.is_secret, cases), base)
             """
         )
         return TaskDraft(
@@ -319,8 +340,9 @@ class RleCodec(Family):
             + RLE_REF
             + f"""
             from pathlib import Path
+            # At least one run: a module that always returns '' was right on every empty draw.
             def _gen(rng):
-                return ''.join(rng.choice({alphabet!r}) * rng.randint(1, 12) for _ in range(rng.randint(0, 8)))
+                return ''.join(rng.choice({alphabet!r}) * rng.randint(1, 12) for _ in range(rng.randint(1, 8)))
             def grade():
                 if not Path({mod!r}).is_file():
                     return 0.0
@@ -392,13 +414,13 @@ EOF"""
             LOAD
             + SLUG_REF
             + f"""
-            import sys
             def _gen(rng):
                 return ''.join(rng.choice('aZ9 -_!.,?xY') for _ in range(rng.randint(0, 20)))
             def grade():
                 try:
-                    sys.path.insert(0, {w + "/vendor"!r})
-                    m = _load({f"{w}/vendor/{pkg}/__init__.py"!r}, {pkg!r})
+                    # vendor/ goes on the path of the module's own process only: on the verifier's,
+                    # a module it imported later would come from the agent's dir (and run as root).
+                    m = _load({f"{w}/vendor/{pkg}/__init__.py"!r}, {pkg!r}, [{w + "/vendor"!r}])
                 except Exception:
                     return 0.0
                 seed = {rng.randint(0, 10**6)}
@@ -502,7 +524,10 @@ class LeapYearFix(Family):
                 base_ns = {{}}
                 exec({buggy!r}, base_ns)
                 cases = {cases!r}
-                return relative_to_baseline(adversarial_corpus(m.is_leap, cases), adversarial_corpus(base_ns['is_leap'], cases))
+                # The buggy code answers True for every year: credit starts above the better of it and
+                # the best constant answer (always False earned up to 0.743 against the buggy code).
+                base = max(adversarial_corpus(f, cases) for f in (base_ns['is_leap'], lambda y: True, lambda y: False))
+                return relative_to_baseline(adversarial_corpus(m.is_leap, cases), base)
             """
         )
         draft = TaskDraft(
@@ -574,9 +599,20 @@ EOF"""
                     return 0.0
                 base_ns = {{}}
                 exec({buggy!r}, base_ns)
-                cases = {cases!r}
-                base = adversarial_corpus(base_ns['parse_duration'], cases)
-                return relative_to_baseline(adversarial_corpus(m.parse_duration, cases), base)
+                buggy = base_ns['parse_duration']
+                def wrapped(s):  # the buggy code with its exceptions swallowed: no fix at all
+                    try:
+                        return buggy(s)
+                    except Exception:
+                        return None
+                # An answer counts when its type is right too (False == 0, 5400.0 == 5400 do not).
+                cases = [(x, (type(want), want)) for x, want in {cases!r}]
+                def score(f):
+                    return adversarial_corpus(lambda x: (lambda got: (type(got), got))(f(x)), cases)
+                # Credit starts above the best of the buggy code, that code wrapped in a try/except
+                # returning None (it scored 0.396) and the best constant answer (None).
+                base = max(score(buggy), score(wrapped), score(lambda s: None))
+                return relative_to_baseline(score(m.parse_duration), base)
             """
         )
         return TaskDraft(

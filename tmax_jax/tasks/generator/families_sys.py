@@ -21,6 +21,24 @@ from tmax_jax.tasks.generator.base import (
 )
 from tmax_jax.tasks.generator.registry import register
 
+# Grader source shared by the numeric families: partial credit on a log scale of the error, so that
+# an answer 10x off the bound keeps half the credit or more, a wrong formula or a guess ~none.
+# 95% of the credit runs out at ``near`` (a right method short on accuracy: too few steps, too few
+# digits written); the last 5% at ``far`` (the ballpark), so that a coarse answer is not flat zero.
+_LOG_CREDIT = """
+import math
+def log_credit(err, bound, near, far=10.0):
+    err = float(err)
+    if math.isnan(err):
+        return 0.0
+    if err <= bound:
+        return 1.0
+    lg, lb = math.log10(err), math.log10(bound)
+    fine = metric_threshold(lg, lb, math.log10(near), higher_is_better=False)
+    coarse = metric_threshold(lg, lb, math.log10(far), higher_is_better=False)
+    return 0.95 * fine + 0.05 * coarse
+"""
+
 
 @register
 class CidrMembership(Family):
@@ -211,11 +229,14 @@ class IniEdit(Family):
                     s = c['server']
                 except Exception:
                     return 0.0
-                reqs = [s.get('port') == '{new_port}', s.get('timeout') == '{timeout}', s.get('host') == '0.0.0.0']
-                reqs += [c.has_section(k) and dict(c[k]) == v for k, v in {others!r}.items()]
-                if not reqs[0] and not reqs[1]:
+                # Both requested edits or nothing (the untouched file meets every preservation
+                # check); then credit for what was kept as it was.
+                if s.get('port') != '{new_port}' or s.get('timeout') != '{timeout}':
                     return 0.0
-                return 1.0 if all(reqs) else 0.99 * sum(reqs) / len(reqs)
+                kept = [s.get('host') == '0.0.0.0', set(s) == {{'host', 'port', 'timeout'}}]
+                kept += [c.has_section(k) and dict(c[k]) == v for k, v in {others!r}.items()]
+                kept.append(set(c.sections()) == {{'server', *{others!r}}})
+                return 1.0 if all(kept) else 0.99 * sum(kept) / len(kept)
             """
         init = (
             files_exist_test([cfg])
@@ -231,6 +252,7 @@ class CompressionRatio(Family):
     command_complexity = "bash-only"
 
     def make(self, rng, sig):
+        import hashlib
         import lzma
 
         w = workdir(rng)
@@ -239,6 +261,7 @@ class CompressionRatio(Family):
             for _ in range(3000 * COMPLEXITY_SCALE[sig.task_complexity])
         ]
         text = "\n".join(lines) + "\n"
+        size, sha = len(text.encode()), hashlib.sha256(text.encode()).hexdigest()
         best = len(text.encode()) / len(lzma.compress(text.encode(), preset=9 | lzma.PRESET_EXTREME))
         bound = round(best * 0.9, 2)
         out = f"{w}/access.log.xz"
@@ -251,18 +274,25 @@ class CompressionRatio(Family):
         )
         solve = f"xz -9e -k -c {w}/access.log > {out}\n"
         check = f"""
-            import lzma
+            import hashlib, lzma
             from pathlib import Path
+            SIZE, SHA = {size!r}, {sha!r}  # the original log, fixed at generation
             def grade():
                 p, src = Path({out!r}), Path({w + "/access.log"!r})
                 if not p.is_file() or not src.is_file():
                     return 0.0
+                # The archive must hold the original log (not whatever access.log is now: an agent
+                # can overwrite it with something that compresses well), and the original kept.
+                if hashlib.sha256(src.read_bytes()).hexdigest() != SHA:
+                    return 0.0
+                d = lzma.LZMADecompressor()
                 try:
-                    if lzma.decompress(p.read_bytes()) != src.read_bytes():
-                        return 0.0
+                    data = d.decompress(p.read_bytes(), max_length=SIZE + 1)
                 except lzma.LZMAError:
                     return 0.0
-                return metric_threshold(src.stat().st_size / p.stat().st_size, {bound!r}, 1.0)
+                if not d.eof or len(data) != SIZE or hashlib.sha256(data).hexdigest() != SHA:
+                    return 0.0
+                return metric_threshold(SIZE / p.stat().st_size, {bound!r}, 1.0)
             """
         return TaskDraft(
             self.name,
@@ -324,18 +354,30 @@ class MakefileFix(Family):
     def make(self, rng, sig):
         w = workdir(rng)
         mods = rng.sample(WORDS, 2 + COMPLEXITY_SCALE[sig.task_complexity] // 2)
-        files = {f"{m}.c": f'#include <stdio.h>\nvoid {m}(void) {{ printf("{m}\\n"); }}\n' for m in mods}
+        # Each module prints a value that app computes at run time, chained through every module from
+        # a seed in main.c with constants of its own: no source holds any printed value, so an 'app'
+        # that echoes names or numbers found in the sources cannot pass; linking all of them does.
+        x, truth_lines, files = rng.getrandbits(32), [], {}
         files["main.c"] = (
-            "".join(f"void {m}(void);\n" for m in mods)
-            + "int main(void) {\n"
-            + "".join(f"  {m}();\n" for m in mods)
+            "".join(f"unsigned {m}(unsigned x);\n" for m in mods)
+            + f"int main(void) {{\n  unsigned x = {x}u;\n"
+            + "".join(f"  x = {m}(x);\n" for m in mods)
             + "  return 0;\n}\n"
         )
+        for m in mods:
+            mul, add, sh = rng.getrandbits(32) | 1, rng.getrandbits(32), rng.randint(7, 19)
+            files[f"{m}.c"] = (
+                f"#include <stdio.h>\nunsigned {m}(unsigned x) {{\n  x = x * {mul}u + {add}u;\n"
+                f'  x ^= x >> {sh};\n  printf("{m} %u\\n", x);\n  return x;\n}}\n'
+            )
+            x = (x * mul + add) & 0xFFFFFFFF
+            x ^= x >> sh
+            truth_lines.append(f"{m} {x}")
         objs = " ".join(f"{m}.o" for m in mods[:-1])  # the bug: the last module is never linked
         files["Makefile"] = (
             f"app: main.o {objs}\n\tcc -o app main.o {objs}\n\n%.o: %.c\n\tcc -c $< -o $@\n\nclean:\n\trm -f *.o app\n"
         )
-        truth = "\n".join(mods)
+        truth = "\n".join(truth_lines)
         prompt = persona_prompt(
             rng,
             sig.persona,
@@ -347,10 +389,15 @@ class MakefileFix(Family):
         solve = f"cd {w}\nsed -i 's/^app: .*/app: main.o {all_objs}/; s/^\\tcc -o app .*/\\tcc -o app main.o {all_objs}/' Makefile\nmake clean >/dev/null && make >/dev/null\n"
         check = f"""
             def grade():
-                r = run_untrusted('make clean >/dev/null 2>&1; make >/dev/null 2>&1 && ./app', {w!r})
-                if r.returncode != 0:
+                # od prints app's first 4 bytes before app runs: app must be a compiled (ELF)
+                # program, not a script that prints what it was told to.
+                r = run_untrusted(
+                    'make clean >/dev/null 2>&1; make >/dev/null 2>&1 && od -An -tx1 -N4 app && ./app', {w!r}
+                )
+                lines = r.stdout.splitlines()
+                if r.returncode != 0 or not lines or lines[0].split() != ['7f', '45', '4c', '46']:
                     return 0.0
-                return exact_text(r.stdout, {truth!r})
+                return exact_text(chr(10).join(lines[1:]), {truth!r})
             """
         return TaskDraft(
             self.name,
@@ -371,8 +418,11 @@ class Quadrature(Family):
 
     def make(self, rng, sig):
         w = workdir(rng)
-        a, b, c, L = rng.randint(1, 9), rng.randint(1, 5), rng.randint(1, 4), rng.randint(2, 9)
-        exact = a * (1 - math.cos(b * L)) / b + c * L**3 / 3
+        while True:  # the sin term at least 2% of the integral: dropping it is no near miss
+            a, b, c, L = rng.randint(1, 9), rng.randint(1, 5), rng.randint(1, 4), rng.randint(2, 9)
+            exact = a * (1 - math.cos(b * L)) / b + c * L**3 / 3
+            if a * (1 - math.cos(b * L)) / b >= 0.02 * exact:
+                break
         out = f"{w}/integral.txt"
         prompt = persona_prompt(
             rng,
@@ -382,7 +432,7 @@ class Quadrature(Family):
             {out}. A relative error below 1e-6 is required.""",
         )
         solve = f"python3 -c \"import math; n=20000; h={L}/n; f=lambda x: {a}*math.sin({b}*x)+{c}*x*x; s=f(0)+f({L})+sum((4 if i%2 else 2)*f(i*h) for i in range(1,n)); open('{out}','w').write(repr(s*h/3))\"\n"
-        check = f"""
+        check = _LOG_CREDIT + textwrap.dedent(f"""
             from pathlib import Path
             def grade():
                 p = Path({out!r})
@@ -392,8 +442,8 @@ class Quadrature(Family):
                     v = float(p.read_text().strip())
                 except ValueError:
                     return 0.0
-                return metric_threshold(abs(v - {exact!r}) / abs({exact!r}), 1e-6, 1.0, higher_is_better=False)
-            """
+                return log_credit(abs(v - {exact!r}) / abs({exact!r}), 1e-6, 1e-3)
+            """)
         draft = TaskDraft(self.name, prompt, solve, check, files_exist_test([], [out]), f"mkdir -p {w}\n", {})
         draft.params = {"output": out, "exact": exact}
         return draft
@@ -411,13 +461,16 @@ class OdeDecay(Family):
 
     def make(self, rng, sig):
         w = workdir(rng)
-        k, s, y0, T = (
-            round(rng.uniform(0.1, 2), 3),
-            round(rng.uniform(0, 5), 3),
-            round(rng.uniform(1, 10), 3),
-            rng.randint(1, 10),
-        )
-        exact = s / k + (y0 - s / k) * math.exp(-k * T)
+        while True:  # neither the equilibrium s/k nor y0 is within 0.05 of y(T): both need the ODE
+            k, s, y0, T = (
+                round(rng.uniform(0.1, 2), 3),
+                round(rng.uniform(0, 5), 3),
+                round(rng.uniform(1, 10), 3),
+                rng.randint(1, 10),
+            )
+            exact = s / k + (y0 - s / k) * math.exp(-k * T)
+            if min(abs(exact - s / k), abs(exact - y0)) >= 0.05:
+                break
         out = f"{w}/y_at_T.txt"
         prompt = persona_prompt(
             rng,
@@ -431,7 +484,7 @@ class OdeDecay(Family):
             f"for _ in range(n):\n  a=f(y);b=f(y+h*a/2);c=f(y+h*b/2);d=f(y+h*c);y+=h*(a+2*b+2*c+d)/6\n"
             f"open('{out}','w').write(repr(y))\"\n"
         )
-        check = f"""
+        check = _LOG_CREDIT + textwrap.dedent(f"""
             from pathlib import Path
             def grade():
                 p = Path({out!r})
@@ -441,9 +494,11 @@ class OdeDecay(Family):
                     v = float(p.read_text().strip())
                 except ValueError:
                     return 0.0
-                return metric_threshold(abs(v - {exact!r}), 1e-5, 1.0, higher_is_better=False)
-            """
-        return TaskDraft(self.name, prompt, solve, check, files_exist_test([], [out]), f"mkdir -p {w}\n", {})
+                return log_credit(abs(v - {exact!r}), 1e-5, 1e-2)
+            """)
+        draft = TaskDraft(self.name, prompt, solve, check, files_exist_test([], [out]), f"mkdir -p {w}\n", {})
+        draft.params = {"output": out, "exact": exact}
+        return draft
 
 
 @register
@@ -471,7 +526,9 @@ class SignalStats(Family):
             denominator) on one line to {out}.""",
         )
         solve = f"python3 -c \"import statistics as s; x=[float(v) for v in open('{w}/signal.txt').read().split()]; open('{out}','w').write(f'{{s.fmean(x)}} {{s.stdev(x)}}')\"\n"
-        check = f"""
+        # 95% of the credit ends 100x past the bound: the population std (n in the denominator) is off
+        # by about 1/(2n) >= 2.5e-4 relative, and a subset of the samples by far more.
+        check = _LOG_CREDIT + textwrap.dedent(f"""
             from pathlib import Path
             def grade():
                 p = Path({out!r})
@@ -480,8 +537,8 @@ class SignalStats(Family):
                 except Exception:
                     return 0.0
                 err = max(abs(m - {m!r}), abs(s - {std!r})) / {std!r}
-                return metric_threshold(err, 1e-6, 1.0, higher_is_better=False)
-            """
+                return log_credit(err, 1e-6, 1e-4)
+            """)
         return TaskDraft(
             self.name,
             prompt,
