@@ -92,7 +92,17 @@ CODE_ATTACKS = {
     "unittest_skiptest": "import unittest\n\ndef solve():\n    raise unittest.SkipTest('no')\n",
     "pytest_xfail": "import pytest\n\ndef solve():\n    pytest.xfail('no')\n",
     "module_level_skip": "import pytest\npytest.skip('no', allow_module_level=True)\n",
+    "atexit_os_exit_0": "import atexit, os\natexit.register(os._exit, 0)\n" + WRONG,
+    "skip_from_exec_string": "def solve():\n    exec('import pytest; pytest.skip(\"no\")')\n",
     # Changing how pytest runs tests or reports them.
+    "xfail_marker_added_at_run_time": (
+        "import sys\nimport pytest\n\ndef solve():\n    f = sys._getframe()\n"
+        "    while 'pyfuncitem' not in f.f_locals:\n        f = f.f_back\n"
+        "    f.f_locals['pyfuncitem'].add_marker(pytest.mark.xfail(reason='flaky'))\n    return 'wrong'\n"
+    ),
+    "report_failed_property_patched": (
+        "import _pytest.reports as r\nr.BaseReport.failed = property(lambda self: False)\n" + WRONG
+    ),
     "runtest_patched": (  # it still runs the xfail test, which must fail
         "import _pytest.python as p\norig = p.Function.runtest\n"
         "p.Function.runtest = lambda self: orig(self) if 'expected' in self.name else None\n" + WRONG
@@ -175,6 +185,14 @@ def test_code_under_test_controls(cfg, tmp_path):
     assert (res.reward, res.reason) == (1.0, "ok"), res.verifier_log
     summary = json.loads(res.verifier_files["ctrf.json"])["results"]["summary"]
     assert (summary["passed"], summary["skipped"], summary["failed"]) == (4, 3, 0), summary
+    # A test.sh that sets its own PYTHONPATH: the guard plugin still loads.
+    own = _write_code_task(tasks, "code_good_own_path", "def solve():\n    return '42-right'\n", "42-right")
+    sh = (own / "tests" / "test.sh").read_text()
+    (own / "tests" / "test.sh").write_text(
+        sh.replace("if python3 -m pytest", "if PYTHONPATH=/app python3 -m pytest")
+    )
+    res = run_task(load_task(own), "oracle", cfg)
+    assert (res.reward, res.reason) == (1.0, "ok"), res.verifier_log
     run = _write_code_task(tasks, "program_writes_reward_kills_shell", "print('42-right')\n", "42-right")
     res = run_task(load_task(run), "oracle", cfg)
     assert (res.reward, res.reason) == (1.0, "ok"), res.verifier_log

@@ -86,6 +86,9 @@ class _TmaxLastDir:
         return _machinery.PathFinder.find_spec(name, [cls.path])
 
 
+# The guard plugin (``verifier_guard``) stays importable when a test script sets its own PYTHONPATH.
+if _os.path.isdir(__TMAX_PLUGINS__) and __TMAX_PLUGINS__ not in _sys.path:
+    _sys.path.append(__TMAX_PLUGINS__)
 _a = _sys.argv[0] if _sys.argv else ""
 _TmaxLastDir.path = _os.getcwd() if _a in ("", "-m", "-c") else _os.path.dirname(_os.path.abspath(_a))
 if _TmaxLastDir.path not in _sys.path:
@@ -176,11 +179,15 @@ def write_verifier_python(tests_copy: Path) -> dict[str, str]:
     for minor in range(6, 20):
         site = base / "lib" / f"python3.{minor}" / "site-packages"
         site.mkdir(parents=True, exist_ok=True)
-        (site / "usercustomize.py").write_text(_USERCUSTOMIZE)
+        (site / "usercustomize.py").write_text(
+            _USERCUSTOMIZE.replace("__TMAX_PLUGINS__", repr(VERIFIER_PLUGIN_DIR))
+        )
     plugins = Path(tests_copy) / Path(VERIFIER_PLUGIN_DIR).relative_to("/tests")
     plugins.mkdir(parents=True, exist_ok=True)
     (plugins / f"{verifier_guard.PLUGIN_NAME}.py").write_text(verifier_guard.plugin_text())
     env = dict(VERIFIER_PLUGIN_ENV)
+    own = str(Path(VERIFIER_PYTHON_DIR).relative_to("/tests"))
+    env["TMAX_GUARD_ALL_RO"] = "1" if verifier_guard.tests_fit_readonly(tests_copy, own) else "0"
     if _asks_for_ctrf(tests_copy):
         (plugins / "tmax_ctrf.py").write_text(_CTRF_PLUGIN)
         env["PYTEST_PLUGINS"] += ",tmax_ctrf"

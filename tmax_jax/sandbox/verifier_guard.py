@@ -85,6 +85,12 @@ def readonly_test_files(tests_copy: Path, own_dir: str) -> list[str]:
     return out + files
 
 
+def tests_fit_readonly(tests_copy: Path, own_dir: str) -> bool:
+    """Whether every file of the tests gets its read-only mount (``readonly_test_files``)."""
+    n = sum(len(files) for _, _, files in os.walk(tests_copy))
+    return n <= MAX_READONLY_FILES
+
+
 def _read_json(dir_fd: int, name: str) -> dict | None:
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
