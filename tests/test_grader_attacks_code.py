@@ -14,40 +14,16 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from family_helpers import draft_dir, family_signature
 
 from tmax_jax.sandbox import SandboxConfig
 from tmax_jax.tasks import graders, load_task
-from tmax_jax.tasks.axes import Signature
-from tmax_jax.tasks.generator import all_families
-from tmax_jax.tasks.generator.base import write_tmax_dir
 from tmax_jax.tasks.runner import run_task
-
-
-def _signature(family: str) -> tuple:
-    fam = all_families()[family]
-    sig = Signature(
-        fam.domain,
-        fam.skill_type,
-        fam.primitive_skill,
-        "tester",
-        fam.fixture_kind,
-        "short",
-        fam.command_complexity,
-        fam.verifier_kind,
-    )
-    return fam, sig
-
-
-def _draft_dir(tmp_path: Path, family: str, seed: str) -> Path:
-    fam, sig = _signature(family)
-    return write_tmax_dir(
-        fam.make(random.Random(seed), sig), sig.to_dict(), tmp_path / f"{family}-{seed}", family, 0
-    )
 
 
 def _attack(tmp_path: Path, family: str, seed: str, script: str) -> float:
     """The reward the real verifier gives ``script`` (run as the task's solution) in a sandbox."""
-    d = _draft_dir(tmp_path, family, seed)
+    d = draft_dir(tmp_path, family, seed)
     (d / "solutions" / "solve.sh").write_text("#!/bin/bash\n" + script)
     res = run_task(load_task(d), "oracle", SandboxConfig(cache_dir=str(tmp_path / "cache")))
     print(f"{family} {seed}: reward {res.reward:.4f} ({res.reason})\n{res.verifier_log[-600:]}")
@@ -118,7 +94,7 @@ def test_duration_parser_wrapping_the_buggy_code_earns_nothing(tmp_path, fallbac
 # 4. rle_codec: the fuzzer drew an empty string one time in nine, so ``return ""`` scored 0.083.
 def test_rle_codec_constant_empty_output_earns_nothing(tmp_path):
     """Every fuzzed input now has at least one run, whose encoding is never '': 0 exactly."""
-    d = _draft_dir(tmp_path / "params", "rle_codec", "attack")
+    d = draft_dir(tmp_path / "params", "rle_codec", "attack")
     p = json.loads((d / "task.json").read_text())["family_params"]
     script = f"mkdir -p $(dirname {p['module']})\nprintf 'def {p['function']}(s):\\n    return \"\"\\n' > {p['module']}\n"
     assert _attack(tmp_path, "rle_codec", "attack", script) == 0.0
@@ -127,7 +103,7 @@ def test_rle_codec_constant_empty_output_earns_nothing(tmp_path):
 # 5. vendored_slugify: the verifier (root) put the agent-writable vendor/ dir first on its own
 # sys.path, so a module it imported afterwards would have come from the agent's files.
 def test_vendored_slugify_keeps_the_agents_dir_off_the_verifiers_path():
-    fam, sig = _signature("vendored_slugify")
+    fam, sig = family_signature("vendored_slugify")
     for seed in ("a", "b", "c"):
         check = fam.make(random.Random(seed), sig).final_check
         assert "sys.path.insert" not in check and "sys.path.append" not in check
@@ -188,7 +164,7 @@ CONSTANTS = {
 
 @pytest.mark.parametrize("family", sorted(HONEST_PARTIAL))
 def test_reference_full_constants_nothing_honest_partial_work_partial_credit(shared_dir, family):
-    fam, sig = _signature(family)
+    fam, sig = family_signature(family)
     for seed in range(8):
         draft = fam.make(random.Random(f"seed{seed}"), sig)
         mod, body = _module_and_body(draft)

@@ -4,29 +4,18 @@ against the grader before its fix (the number in its docstring)."""
 
 from __future__ import annotations
 
-import random
-import re
 from pathlib import Path
 
 import pytest
+from family_helpers import dir_of, draft_dir
 
 from tmax_jax.sandbox import SandboxConfig
 from tmax_jax.tasks import load_task
-from tmax_jax.tasks.axes import Signature
-from tmax_jax.tasks.generator import all_families
-from tmax_jax.tasks.generator.base import write_tmax_dir
 from tmax_jax.tasks.runner import run_task
 
 
 def _task(tmp_path: Path, family: str, seed: str, solve: str) -> Path:
-    fam = all_families()[family]
-    sig = Signature(
-        fam.domain, fam.skill_type, fam.primitive_skill, "tester", fam.fixture_kind, "short",
-        fam.command_complexity, fam.verifier_kind,
-    )  # fmt: skip
-    d = write_tmax_dir(
-        fam.make(random.Random(seed), sig), sig.to_dict(), tmp_path / f"{family}-{seed}", family, 0
-    )
+    d = draft_dir(tmp_path, family, seed)
     (d / "solutions" / "solve.sh").write_text("#!/bin/bash\n" + solve)
     return d
 
@@ -36,16 +25,11 @@ def cfg(tmp_path):
     return SandboxConfig(cache_dir=str(tmp_path / "cache"))
 
 
-def _dir_of(d: Path, name: str) -> str:
-    """The task's working dir, as its prompt names it (``<dir>/<name>``)."""
-    return re.search(rf"(/[^\s'\"]+)/{re.escape(name)}", (d / "task.json").read_text()).group(1)
-
-
 def test_audio_report_of_deleted_files_earns_nothing(tmp_path, cfg):
     """Deleting every .wav and writing an empty report scored 1.0 when the expected report was
     computed from the agent's own dir at grading time."""
     d = _task(tmp_path, "audio_metadata", "del", "")
-    w = _dir_of(d, "audio_report.txt")
+    w = dir_of(d, "audio_report.txt")
     (d / "solutions" / "solve.sh").write_text(f"#!/bin/bash\ncd {w} && rm -f *.wav && : > audio_report.txt\n")
     res = run_task(load_task(d), "oracle", cfg)
     assert res.reward == 0.0, (res.reason, res.verifier_log[-800:])
@@ -55,7 +39,7 @@ def test_regression_predicting_the_mean_earns_nothing(tmp_path, cfg):
     """Predicting the training mean for every x earned up to 0.14 when partial credit ran out only
     at an RMSE of 30|a| (about the mean predictor's own)."""
     d = _task(tmp_path, "regression_predict", "mean", "")
-    w = _dir_of(d, "predictions.txt")
+    w = dir_of(d, "predictions.txt")
     (d / "solutions" / "solve.sh").write_text(
         "#!/bin/bash\npython3 - <<'EOF'\n"
         f"ys = [float(l.split(',')[1]) for l in open('{w}/train.csv').read().split()[1:]]\n"

@@ -256,16 +256,21 @@ BACKENDS = [
 ]
 
 
-@pytest.fixture(params=BACKENDS)
-def cfg(request, tmp_path):
+def sandbox_config(backend: str, tmp_path: Path) -> SandboxConfig:
+    """The attack tasks' sandbox on ``backend`` (bwrap with a cache of the test's own)."""
     return SandboxConfig(
-        backend=request.param,
-        cache_dir=str(tmp_path / "cache") if request.param == "bwrap" else SandboxConfig().cache_dir,
+        backend=backend,
+        cache_dir=str(tmp_path / "cache") if backend == "bwrap" else SandboxConfig().cache_dir,
         exec_timeout_s=60,
         pids_max=256,
         memory_mb=512,
         disk_mb=96,
     )
+
+
+@pytest.fixture(params=BACKENDS)
+def cfg(request, tmp_path):
+    return sandbox_config(request.param, tmp_path)
 
 
 @pytest.fixture

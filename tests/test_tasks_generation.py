@@ -12,14 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from family_helpers import draft_dir as _draft_dir
 
 from tmax_jax.errors import ConfigError
 from tmax_jax.sandbox import SandboxConfig
 from tmax_jax.tasks import graders, load_task
-from tmax_jax.tasks.axes import AxisSampler, Signature
+from tmax_jax.tasks.axes import AxisSampler
 from tmax_jax.tasks.filter import check_task, filter_tasks
 from tmax_jax.tasks.generator import ProceduralGenerator, all_families
-from tmax_jax.tasks.generator.base import write_tmax_dir
 from tmax_jax.tasks.runner import run_task
 
 # chi-square critical values at p = 0.001 by degrees of freedom (a true sampler fails 1 in 1000 runs)
@@ -97,23 +97,6 @@ def test_graders_give_partial_credit():
     assert 0.3 < half < 0.7
     assert graders.multi_protocol({"a": lambda: True, "b": lambda: False}) == 0.5
     assert graders.relative_to_baseline(0.6, 0.2) == pytest.approx(0.99 * 0.5)
-
-
-def _draft_dir(tmp_path: Path, family: str, seed: str, complexity: str = "short") -> Path:
-    fam = all_families()[family]
-    sig = Signature(
-        fam.domain,
-        fam.skill_type,
-        fam.primitive_skill,
-        "tester",
-        fam.fixture_kind,
-        complexity,
-        fam.command_complexity,
-        fam.verifier_kind,
-    )
-    return write_tmax_dir(
-        fam.make(random.Random(seed), sig), sig.to_dict(), tmp_path / f"{family}-{seed}", family, 0
-    )
 
 
 @pytest.fixture

@@ -14,9 +14,8 @@ import json
 from pathlib import Path
 
 import pytest
-from test_sandbox_attacks import BACKENDS, _write_task
+from test_sandbox_attacks import BACKENDS, _write_task, sandbox_config
 
-from tmax_jax.sandbox import SandboxConfig
 from tmax_jax.tasks import load_task
 from tmax_jax.tasks.runner import run_task
 
@@ -167,14 +166,7 @@ def _write_code_task(root: Path, name: str, solution: str, expected: str) -> Pat
 
 @pytest.fixture(params=BACKENDS)
 def cfg(request, tmp_path):
-    return SandboxConfig(
-        backend=request.param,
-        cache_dir=str(tmp_path / "cache") if request.param == "bwrap" else SandboxConfig().cache_dir,
-        exec_timeout_s=60,
-        pids_max=256,
-        memory_mb=512,
-        disk_mb=96,
-    )
+    return sandbox_config(request.param, tmp_path)
 
 
 def test_code_under_test_controls(cfg, tmp_path):
@@ -200,8 +192,18 @@ def test_code_under_test_controls(cfg, tmp_path):
     assert (bad.reward, bad.reason) == (0.0, "verifier failed"), bad.verifier_log
 
 
+# The plugin is the same file on both backends; podman runs the attacks that go through what differs
+# (its mounts of the guard's records, the read-only test files, the logs, its own pid namespace).
+PODMAN_TOO = {
+    "os_exit_at_import", "pytest_skip", "hook_registered_at_runtime", "append_to_running_test_sh",
+    "reward_json_and_txt_link", "reward_rewriter_left_running", "atexit_os_exit_0",
+}  # fmt: skip
+
+
 @pytest.mark.parametrize("attack", sorted(CODE_ATTACKS))
 def test_code_under_test_attack_scores_zero(cfg, tmp_path, attack):
+    if cfg.backend != "bwrap" and attack not in PODMAN_TOO:
+        pytest.skip("the same plugin as on bwrap; podman runs the attacks on its own mounts")
     task = load_task(_write_code_task(tmp_path / "tasks", attack, CODE_ATTACKS[attack], "42-right"))
     res = run_task(task, "oracle", cfg)
     assert res.reward == 0.0, (attack, res.reason, res.verifier_log[-2000:])
