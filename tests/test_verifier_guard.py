@@ -276,5 +276,9 @@ def test_readonly_test_files(tmp_path, monkeypatch):
     (tmp_path / "data" / "a.csv").write_text("")
     (tmp_path / "link").symlink_to("test.sh")
     assert verifier_guard.readonly_test_files(tmp_path, ".own") == [".own", "data/a.csv", "test.sh"]
+    # The verifier's own files (and links) do not count against the limit: two test files fit two.
+    monkeypatch.setattr(verifier_guard, "MAX_READONLY_FILES", 2)
+    assert verifier_guard.tests_fit_readonly(tmp_path, ".own")
     monkeypatch.setattr(verifier_guard, "MAX_READONLY_FILES", 1)
+    assert not verifier_guard.tests_fit_readonly(tmp_path, ".own")
     assert verifier_guard.readonly_test_files(tmp_path, ".own") == [".own", "test.sh"]

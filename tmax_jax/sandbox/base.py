@@ -56,6 +56,8 @@ VERIFIER_ENV = {
 # Dockerfile pip-installs; offline, or on bwrap's read-only host Python, it is missing and pytest
 # would refuse the option. On PYTHONPATH rather than the user site, which virtualenvs skip.
 VERIFIER_PLUGIN_DIR = f"{VERIFIER_PYTHON_DIR}/plugins"
+# The same dir relative to /tests (the copy of the tests the sandbox mounts there).
+VERIFIER_PYTHON_REL = VERIFIER_PYTHON_DIR.removeprefix("/tests/")
 # Every pytest the verifier runs loads ``tmax_guard`` (``verifier_guard.py``: what the code under test
 # may not do to the session), writing its records to GUARD_DIR, beside /logs/verifier.
 VERIFIER_PLUGIN_ENV = {
@@ -175,7 +177,7 @@ def write_verifier_python(tests_copy: Path) -> dict[str, str]:
     (``verifier_guard``), and its ``--ctrf`` pytest plugin when the tests use that option. Returns
     what the verifier's environment adds for them (``VERIFIER_PLUGIN_ENV``, with ``tmax_ctrf`` when
     asked for); merge a task's own with ``verifier_guard.merge_env``."""
-    base = Path(tests_copy) / Path(VERIFIER_PYTHON_DIR).relative_to("/tests")
+    base = Path(tests_copy) / VERIFIER_PYTHON_REL
     for minor in range(6, 20):
         site = base / "lib" / f"python3.{minor}" / "site-packages"
         site.mkdir(parents=True, exist_ok=True)
@@ -186,8 +188,8 @@ def write_verifier_python(tests_copy: Path) -> dict[str, str]:
     plugins.mkdir(parents=True, exist_ok=True)
     (plugins / f"{verifier_guard.PLUGIN_NAME}.py").write_text(verifier_guard.plugin_text())
     env = dict(VERIFIER_PLUGIN_ENV)
-    own = str(Path(VERIFIER_PYTHON_DIR).relative_to("/tests"))
-    env["TMAX_GUARD_ALL_RO"] = "1" if verifier_guard.tests_fit_readonly(tests_copy, own) else "0"
+    fits = verifier_guard.tests_fit_readonly(tests_copy, VERIFIER_PYTHON_REL)
+    env["TMAX_GUARD_ALL_RO"] = "1" if fits else "0"
     if _asks_for_ctrf(tests_copy):
         (plugins / "tmax_ctrf.py").write_text(_CTRF_PLUGIN)
         env["PYTEST_PLUGINS"] += ",tmax_ctrf"

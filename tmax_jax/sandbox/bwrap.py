@@ -41,7 +41,7 @@ from tmax_jax.errors import SandboxError
 from tmax_jax.sandbox import cgroup, link_scan, overlay, podman_toolchain, rootfs, seccomp, verifier_guard
 from tmax_jax.sandbox.base import (
     BASE_PATH,
-    VERIFIER_PYTHON_DIR,
+    VERIFIER_PYTHON_REL,
     ExecResult,
     Sandbox,
     VerifierRun,
@@ -491,8 +491,7 @@ class BwrapSandbox(Sandbox):
         args += [*self._kernel_mounts(), "--bind", str(tests), "/tests", "--bind", str(logs), "/logs"]
         # The tests' own files and the verifier's Python, read-only: code the tests run cannot
         # append to the test.sh that bash is still reading, nor change a plugin (``verifier_guard``).
-        own = str(Path(VERIFIER_PYTHON_DIR).relative_to("/tests"))
-        for rel in verifier_guard.readonly_test_files(tests, own):
+        for rel in verifier_guard.readonly_test_files(tests, VERIFIER_PYTHON_REL):
             args += ["--ro-bind", str(tests / rel), f"/tests/{rel}"]
         # bwrap's own root holds only mount points and symlinks: read-only.
         return args + [*self._late_args, "--remount-ro", "/"]

@@ -59,7 +59,7 @@ from tmax_jax.errors import SandboxError
 from tmax_jax.sandbox import link_scan, podman_toolchain, seccomp, verifier_guard
 from tmax_jax.sandbox.base import (
     VERIFIER_ENV,
-    VERIFIER_PYTHON_DIR,
+    VERIFIER_PYTHON_REL,
     Sandbox,
     VerifierRun,
     exec_result,
@@ -425,8 +425,7 @@ class PodmanSandbox(Sandbox):
             "-w", "/tests",
         ]  # fmt: skip
         # The tests' own files and the verifier's Python, read-only (``verifier_guard``).
-        own = str(Path(VERIFIER_PYTHON_DIR).relative_to("/tests"))
-        for rel in verifier_guard.readonly_test_files(tests, own):
+        for rel in verifier_guard.readonly_test_files(tests, VERIFIER_PYTHON_REL):
             args += ["-v", f"{tests / rel}:/tests/{rel}:ro"]
         for k, v in full_env.items():
             args += ["-e", f"{k}={v}"]

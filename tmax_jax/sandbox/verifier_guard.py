@@ -61,13 +61,8 @@ def merge_env(ours: dict[str, str], task: dict[str, str] | None) -> dict[str, st
     return out
 
 
-def readonly_test_files(tests_copy: Path, own_dir: str) -> list[str]:
-    """Paths inside ``/tests`` (relative) to mount read-only over the writable tests dir: the
-    verifier's own Python dir ``own_dir`` (relative) and the tests' regular files (all of them up to
-    ``MAX_READONLY_FILES``, else the top-level ones). The dirs stay writable: a verifier's HOME is
-    /tests, and tools make caches there."""
-    root = Path(tests_copy)
-    out = [own_dir]
+def _test_files(root: Path, own_dir: str) -> list[str]:
+    """The tests' regular files (relative, sorted), without the verifier's own dir ``own_dir``."""
     files: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
         rel = os.path.relpath(dirpath, root)
@@ -75,20 +70,29 @@ def readonly_test_files(tests_copy: Path, own_dir: str) -> list[str]:
             dirnames[:] = []
             continue
         dirnames.sort()
-        for name in sorted(filenames):
+        for name in filenames:
             p = os.path.join(dirpath, name)
             if os.path.isfile(p) and not os.path.islink(p):
                 files.append(os.path.normpath(os.path.join(rel, name)))
     files.sort()
+    return files
+
+
+def readonly_test_files(tests_copy: Path, own_dir: str) -> list[str]:
+    """Paths inside ``/tests`` (relative) to mount read-only over the writable tests dir: the
+    verifier's own Python dir ``own_dir`` (relative) and the tests' regular files (all of them up to
+    ``MAX_READONLY_FILES``, else the top-level ones). The dirs stay writable: a verifier's HOME is
+    /tests, and tools make caches there."""
+    files = _test_files(Path(tests_copy), own_dir)
     if len(files) > MAX_READONLY_FILES:
         files = [f for f in files if os.sep not in f][:MAX_READONLY_FILES]
-    return out + files
+    return [own_dir, *files]
 
 
 def tests_fit_readonly(tests_copy: Path, own_dir: str) -> bool:
-    """Whether every file of the tests gets its read-only mount (``readonly_test_files``)."""
-    n = sum(len(files) for _, _, files in os.walk(tests_copy))
-    return n <= MAX_READONLY_FILES
+    """Whether every file of the tests gets its read-only mount (``readonly_test_files``): the
+    same count, the verifier's own dir left out."""
+    return len(_test_files(Path(tests_copy), own_dir)) <= MAX_READONLY_FILES
 
 
 def _read_json(dir_fd: int, name: str) -> dict | None:
