@@ -70,7 +70,8 @@ def packed_batch(rows: int, T: int, seed: int = 0) -> dict:
 LOSS = LossConfig(name="ppo_clip", clip_eps=10.0)  # a smooth objective: no mask flips on rounding
 
 
-def loss_and_grads(model, mesh, mesh_cfg, batch, rules=DEFAULT_RULES):
+def loss_and_grads(model, mesh, mesh_cfg, batch, rules=DEFAULT_RULES, run=True):
+    """(loss, {path: gradient}, the compiled step); ``run`` False: the compiled step only (None, None)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     psh = param_shardings(params, mesh, mesh_cfg)
     hidden = NamedSharding(mesh, P(BATCH_AXES, None, None))
@@ -86,7 +87,9 @@ def loss_and_grads(model, mesh, mesh_cfg, batch, rules=DEFAULT_RULES):
         fn = jax.jit(f, in_shardings=(psh, bsh))
         args = shard_tree((params, batch), (psh, bsh))
         compiled = fn.lower(*args).compile()
-        loss, grads = fn(*args)
+        if not run:
+            return None, None, compiled
+        loss, grads = compiled(*args)
     flat = {"/".join(map(str, p)): np.asarray(g) for p, g in jax.tree_util.tree_leaves_with_path(grads)}
     return float(loss), flat, compiled
 
@@ -158,7 +161,7 @@ def test_sequence_rule_splits_the_saved_hidden_states():
     model = make_model(cfg, remat="full", seed=0)
     batch, T = packed_batch(2, 512), 512
     compiled = {
-        name: loss_and_grads(model, make_mesh(mesh_cfg), mesh_cfg, batch, rules)[2]
+        name: loss_and_grads(model, make_mesh(mesh_cfg), mesh_cfg, batch, rules, run=False)[2]
         for name, rules in (("sp", DEFAULT_RULES), ("off", NO_SP))
     }
     split, whole = f"f32[3,1,{T // 4},256]", f"f32[3,1,{T},256]"
