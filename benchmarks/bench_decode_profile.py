@@ -52,16 +52,19 @@ PLEN = 64
 
 class Block:
     """The engine's block program for ``slots`` slots, compiled with ``options``, and a state whose
-    slots all decode a sampled request."""
+    slots all decode a sampled request; its attention reads a cache bucket that holds ``blocks``
+    blocks' tokens after the prompt."""
 
-    def __init__(self, model, slots: int, options: dict):
+    def __init__(self, model, slots: int, options: dict, blocks: int):
         from tmax_jax.engine import Engine
         from tmax_jax.engine.engine import PrefillRequest
         from tmax_jax.engine.sampling import SamplingParams
 
-        eng = Engine(model, max_concurrent_decodes=slots, max_cache_length=256, max_prefill_length=PLEN,
-                     eos_token_ids=())  # fmt: skip
-        self.params, self.steps = eng.params, eng.decode_steps
+        steps = 8
+        longest = PLEN + 1 + blocks * steps
+        eng = Engine(model, max_concurrent_decodes=slots, max_cache_length=max(256, longest),
+                     max_prefill_length=PLEN, decode_steps=steps, eos_token_ids=())  # fmt: skip
+        self.params, self.steps, self.blocks_left = eng.params, steps, blocks
         rng = np.random.default_rng(0)
         state = eng.init_decode_state()
         for s in range(slots):
@@ -71,7 +74,7 @@ class Block:
                 max_tokens=10**6,
             )
             state = eng.insert(eng.prefill_many(self.params, [req])[0], state, s)
-        self.attend = eng.attend_length(PLEN + 1 + 4 * self.steps)
+        self.attend = eng.attend_length(longest)
         self.args = (jnp.int32(self.steps),)
         self.kwargs = dict(mtp=None, speculate=jnp.bool_(True))
         lowered = jax.jit(eng._generate_block_impl, static_argnums=(3,), donate_argnums=(1,)).lower(
@@ -83,6 +86,9 @@ class Block:
 
     def run(self) -> tuple[float, np.ndarray]:
         """(seconds per step, tokens) of one block."""
+        if self.blocks_left == 0:
+            raise RuntimeError("Block: more blocks than its attention bucket holds")
+        self.blocks_left -= 1
         t = time.perf_counter()
         self.state, blk = self.compiled(self.params, self.state, *self.args, **self.kwargs)
         tokens = np.asarray(blk.tokens)
@@ -149,7 +155,7 @@ def trace(block: Block, blocks: int) -> None:
 
 
 def libraries(model, slots: int, rounds: int) -> None:
-    blocks = {name: Block(model, slots, opts) for name, opts in LIBRARIES.items()}
+    blocks = {name: Block(model, slots, opts, rounds + 1) for name, opts in LIBRARIES.items()}
     times = collections.defaultdict(list)
     tokens = collections.defaultdict(list)
     for b in blocks.values():  # warm-up
@@ -185,7 +191,7 @@ def main() -> None:
         model = load_hf(d, "float32")
     print(f"devices: {jax.devices()}; bench_engine's model, sampled at T=1, {PLEN}-token prompts")
     for slots in args.slots:
-        trace(Block(model, slots, {}), args.blocks)
+        trace(Block(model, slots, {}, args.blocks + 2), args.blocks)
     if not args.no_libraries and jax.default_backend() == "cpu":
         for slots in args.slots:
             libraries(model, slots, args.rounds)
