@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -111,15 +110,11 @@ def weight_stream_gbps(rows: int = 8, d: int = 256, n: int = 768, layers: int = 
 
 
 def decode_estimate(gbps: float, op_us: float, slots: int = 8) -> None:
-    from bench_engine import SMALL, hf_model
+    from bench_engine import SMALL, hf_model, jax_model
 
-    from tmax_jax.checkpoints import load_hf
     from tmax_jax.engine import Engine
 
-    hf = hf_model(SMALL)
-    with tempfile.TemporaryDirectory() as d:
-        hf.save_pretrained(d)
-        model = load_hf(d, dtype=jnp.float32)
+    model = jax_model(hf_model(SMALL))
     plen, new = 64, 64
     engine = Engine(
         model, max_concurrent_decodes=slots, max_cache_length=plen + new + 8, max_prefill_length=plen,
@@ -157,15 +152,23 @@ def decode_estimate(gbps: float, op_us: float, slots: int = 8) -> None:
     )
 
 
+def hlo_computations(hlo: str) -> dict[str, str]:
+    """Each computation of a compiled module's HLO text: its name -> its body's lines."""
+    return {
+        m.group(1): m.group(2)
+        for m in re.finditer(r"^%?([\w.\-]+) \(.*?\) -> .*? \{\n(.*?)\n\}", hlo, re.M | re.S)
+    }
+
+
 def _loop_body_ops(hlo: str) -> dict[str, int]:
     """Executable instructions (not parameters, tuples, bitcasts, constants) of each while body."""
     bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo))
+    skip = {"parameter", "get-tuple-element", "bitcast", "constant", "tuple"}
     counts = {}
-    for m in re.finditer(r"^%?([\w.\-]+) \(.*?\) -> .*? \{\n(.*?)\n\}", hlo, re.M | re.S):
-        if m.group(1) in bodies:
-            kinds = re.findall(r"^\s*(?:ROOT )?%[\w.\-]+ = \S+ ([\w\-]+)\(", m.group(2), re.M)
-            skip = {"parameter", "get-tuple-element", "bitcast", "constant", "tuple"}
-            counts[m.group(1)] = sum(k not in skip for k in kinds)
+    for name, body in hlo_computations(hlo).items():
+        if name in bodies:
+            kinds = re.findall(r"^\s*(?:ROOT )?%[\w.\-]+ = \S+ ([\w\-]+)\(", body, re.M)
+            counts[name] = sum(k not in skip for k in kinds)
     return counts
 
 

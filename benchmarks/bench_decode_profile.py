@@ -74,11 +74,10 @@ class Block:
                 max_tokens=10**6,
             )
             state = eng.insert(eng.prefill_many(self.params, [req])[0], state, s)
-        self.attend = eng.attend_length(longest)
         self.args = (jnp.int32(self.steps),)
         self.kwargs = dict(mtp=None, speculate=jnp.bool_(True))
         lowered = jax.jit(eng._generate_block_impl, static_argnums=(3,), donate_argnums=(1,)).lower(
-            self.params, state, *self.args, self.attend, **self.kwargs
+            self.params, state, *self.args, eng.attend_length(longest), **self.kwargs
         )
         self.compiled = lowered.compile(compiler_options=options)
         self.hlo = self.compiled.as_text()
@@ -101,10 +100,9 @@ CONTAINERS = ("conditional", "while", "call")  # their trace events enclose thei
 def instructions(hlo: str) -> dict[str, tuple[bool, str, str]]:
     """Per instruction name that runs as an op (not a conditional, loop or call, whose events hold
     their ops'): (whether it is a matmul, its shape, the JAX op it comes from)."""
-    comps = {
-        m.group(1): m.group(2)
-        for m in re.finditer(r"^%?([\w.\-]+) \(.*?\) -> .*? \{\n(.*?)\n\}", hlo, re.M | re.S)
-    }
+    from bench_cpu_ceilings import hlo_computations
+
+    comps = hlo_computations(hlo)
     out = {}
     for m in re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+) ([\w\-]+)\((.*)$", hlo, re.M):
         name, shape, kind, rest = m.groups()
@@ -118,8 +116,9 @@ def instructions(hlo: str) -> dict[str, tuple[bool, str, str]]:
     return out
 
 
-def trace(block: Block, blocks: int) -> None:
-    for _ in range(2):
+def trace(model, slots: int, blocks: int, warm: int = 2) -> None:
+    block = Block(model, slots, {}, warm + blocks)
+    for _ in range(warm):
         block.run()
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d, create_perfetto_trace=True)
@@ -141,7 +140,6 @@ def trace(block: Block, blocks: int) -> None:
             per_op[e["name"]] += e["dur"] / steps  # us per step
     mm = {k: v for k, v in per_op.items() if known[k][0]}
     total, mm_total = sum(per_op.values()), sum(mm.values())
-    slots = block.state.tokens.shape[0]
     print(
         f"{slots} slots: {wall / steps * 1e3:.2f} ms per step (wall, traced); op time {total / 1e3:.2f} ms: "
         f"{len(mm)} matmul fusions {mm_total / 1e3:.2f} ms ({mm_total / max(total, 1e-9):.0%}), "
@@ -181,17 +179,12 @@ def main() -> None:
     ap.add_argument("--no-libraries", action="store_true", help="skip the library comparison")
     args = ap.parse_args()
 
-    from bench_engine import SMALL, hf_model
+    from bench_engine import SMALL, hf_model, jax_model
 
-    from tmax_jax.checkpoints import load_hf
-
-    hf = hf_model(SMALL)
-    with tempfile.TemporaryDirectory() as d:
-        hf.save_pretrained(d)
-        model = load_hf(d, "float32")
+    model = jax_model(hf_model(SMALL))
     print(f"devices: {jax.devices()}; bench_engine's model, sampled at T=1, {PLEN}-token prompts")
     for slots in args.slots:
-        trace(Block(model, slots, {}, args.blocks + 2), args.blocks)
+        trace(model, slots, args.blocks)
     if not args.no_libraries and jax.default_backend() == "cpu":
         for slots in args.slots:
             libraries(model, slots, args.rounds)

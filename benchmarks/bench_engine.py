@@ -45,6 +45,15 @@ def hf_model(cfg: dict):
     return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**cfg)).float().eval()
 
 
+def jax_model(hf, dtype: str = "float32"):
+    """``hf``'s weights in tmax-jax's model, loaded from a checkpoint dir as a user loads one."""
+    from tmax_jax.checkpoints import load_hf
+
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        return load_hf(d, dtype)
+
+
 def bench_hf(model, prompts: np.ndarray, new: int) -> tuple[float, float]:
     """(decode tokens/s, time to first token in s) for one batch of equal-length prompts."""
     import torch
@@ -338,7 +347,6 @@ def main() -> None:
     import jax.numpy as jnp
     from flax import nnx
 
-    from tmax_jax.checkpoints import load_hf
     from tmax_jax.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
 
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
@@ -349,9 +357,7 @@ def main() -> None:
         vocab = cfg.vocab_size
     else:
         hf = hf_model(SMALL)
-        with tempfile.TemporaryDirectory() as d:
-            hf.save_pretrained(d)
-            model = load_hf(d, args.dtype)
+        model = jax_model(hf, args.dtype)
         vocab = SMALL["vocab_size"]
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     print(f"model: {args.preset or '~9M test shape'}, {n_params / 1e6:.1f}M params, {args.dtype}, "
@@ -392,9 +398,7 @@ def main() -> None:
         small = Qwen35Config.preset(args.api_preset)
         small_kw = {k: v for k, v in small.to_hf_config().items() if k not in ("architectures", "model_type")}
         small_hf = hf_model(small_kw)
-        with tempfile.TemporaryDirectory() as d:
-            small_hf.save_pretrained(d)
-            small_model = load_hf(d, args.dtype)
+        small_model = jax_model(small_hf, args.dtype)
         prompts = rng.integers(0, small.vocab_size, size=(args.api_prompts, args.api_prompt_len)).astype(
             np.int32
         )
