@@ -146,6 +146,10 @@ def test_agent_syscalls_are_denied_and_root_is_docker_like(cfg, tmp_path):
 def test_no_host_secret_in_agent_or_verifier(cfg, tmp_path, monkeypatch):
     secret = f"s3cr3t-{uuid.uuid4().hex}"
     monkeypatch.setenv("TMAX_TEST_SECRET", secret)
+    # podman copies the proxy variables of its own environment into containers by default
+    # (``--http-proxy``), credentials and all.
+    for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ftp_proxy", "all_proxy"):
+        monkeypatch.setenv(var, f"http://trainer:{secret}@127.0.0.1:9/")
     d = tmp_path / "tests"
     d.mkdir()
     (d / "test.sh").write_text(
@@ -339,3 +343,21 @@ def test_agent_fork_bomb_does_not_starve_the_verifier(cfg, tests_dir):
             time.sleep(0.5)
         v = _verify(sb, tests_dir)
     assert v.logs == {"reward.txt": b"1\n"} and v.tampered is None, v
+
+
+def test_image_build_gets_no_host_proxy(cfg, tmp_path, monkeypatch):
+    """A task's Dockerfile build runs the task's commands: they see none of the trainer's proxies."""
+    from tmax_jax.sandbox.podman_images import build_image
+    from tmax_jax.sandbox.recipe import parse_dockerfile
+
+    secret = f"s3cr3t-{uuid.uuid4().hex}"
+    for var in ("http_proxy", "HTTPS_PROXY"):
+        monkeypatch.setenv(var, f"http://trainer:{secret}@127.0.0.1:9/")
+    df = tmp_path / "Dockerfile"
+    # A fresh layer per run (the uuid), so the build really runs here.
+    df.write_text(f"FROM ubuntu:24.04\nRUN env > /build-env-{uuid.uuid4().hex[:8]}.txt\n")
+    img = build_image(cfg, parse_dockerfile(df), dockerfile=df)
+    with make_sandbox(cfg, image=img) as sb:
+        r = sb.exec("cat /build-env-*.txt")
+    assert r.exit_code == 0 and "PATH=" in r.stdout, r
+    assert secret not in r.stdout

@@ -21,6 +21,7 @@ from tmax_jax.sandbox import rootfs as rootfs_mod
 from tmax_jax.sandbox.base import Sandbox
 from tmax_jax.sandbox.config import SandboxConfig
 from tmax_jax.sandbox.layers import _sources, tree_hash
+from tmax_jax.sandbox.procs import tool_env
 from tmax_jax.sandbox.recipe import Recipe
 
 
@@ -47,7 +48,11 @@ def ensure_base_sif(cfg: SandboxConfig) -> Path:
 
 def _build(cfg: SandboxConfig, args: list[str], timeout: float) -> None:
     r = subprocess.run(
-        [cfg.apptainer_bin, "build", "--force", *args], capture_output=True, text=True, timeout=timeout
+        [cfg.apptainer_bin, "build", "--force", *args],
+        capture_output=True,
+        env=tool_env(),
+        text=True,
+        timeout=timeout,
     )
     if r.returncode != 0:
         raise SandboxError(f"apptainer build failed: {(r.stdout + r.stderr)[-2000:]}")
@@ -136,7 +141,7 @@ class ApptainerSandbox(Sandbox):
         sif = self.image.sif if self.image else ensure_base_sif(self.cfg)
         for w in self.cfg.writable_paths:
             (self.run_dir / "state" / w.lstrip("/")).mkdir(parents=True, exist_ok=True)
-        r = subprocess.run(self.start_argv(sif), capture_output=True, text=True, timeout=300)
+        r = subprocess.run(self.start_argv(sif), capture_output=True, env=tool_env(), text=True, timeout=300)
         if r.returncode != 0:
             raise SandboxError(f"apptainer instance start failed: {r.stderr.strip()[-800:]}")
 
@@ -148,10 +153,14 @@ class ApptainerSandbox(Sandbox):
             host += ["--env", f"{k}={v}"]
         return host + [f"instance://{self.name}", *argv]
 
+    def host_env(self) -> dict[str, str]:
+        return tool_env()
+
     def _alive(self) -> bool:
         r = subprocess.run(
             [self.cfg.apptainer_bin, "instance", "list", "--json", self.name],
             capture_output=True,
+            env=tool_env(),
             text=True,
             timeout=60,
         )
@@ -159,5 +168,8 @@ class ApptainerSandbox(Sandbox):
 
     def _close(self) -> None:
         subprocess.run(
-            [self.cfg.apptainer_bin, "instance", "stop", "-F", self.name], capture_output=True, timeout=120
+            [self.cfg.apptainer_bin, "instance", "stop", "-F", self.name],
+            capture_output=True,
+            env=tool_env(),
+            timeout=120,
         )

@@ -399,6 +399,11 @@ class Sandbox(abc.ABC):
         out.update(env or {})
         return out
 
+    def host_env(self) -> dict[str, str] | None:
+        """The environment of the host-side process that runs a command in the sandbox (None: this
+        process's own; backends whose tool passes its environment on give an explicit one)."""
+        return None
+
     def _backend_env(self) -> dict[str, str]:
         return {}
 
@@ -461,7 +466,13 @@ class Sandbox(abc.ABC):
             internal=internal,
         )
         got = run_capped(
-            host_argv, timeout=timeout, cap=cap, stdin=stdin, on_kill=self._on_kill, cap_stdout=cap_stdout
+            host_argv,
+            timeout=timeout,
+            cap=cap,
+            stdin=stdin,
+            env=self.host_env(),
+            on_kill=self._on_kill,
+            cap_stdout=cap_stdout,
         )
         self.exec_durations.append(got.duration_s)
         if self._closed:

@@ -68,7 +68,7 @@ from tmax_jax.sandbox.base import (
 )
 from tmax_jax.sandbox.config import ExecResult, SandboxConfig
 from tmax_jax.sandbox.podman_images import PodmanImage, ensure_base_image
-from tmax_jax.sandbox.procs import kill_tree, run_capped
+from tmax_jax.sandbox.procs import kill_tree, run_capped, tool_env
 
 # Container uid/gid 0..65535 are host ids 100000..165535: no host file or process belongs to them.
 ID_BASE = 100000
@@ -176,6 +176,8 @@ def security_args(cfg: SandboxConfig) -> list[str]:
         f"--uidmap=0:{ID_BASE}:{ID_COUNT}", f"--gidmap=0:{ID_BASE}:{ID_COUNT}",
         "--cap-drop=ALL", f"--cap-add={','.join(DOCKER_CAPS)}",
         "--security-opt=no-new-privileges",
+        # podman would copy the proxy variables of its own environment (credentials included).
+        "--http-proxy=false",
         f"--security-opt=seccomp={seccomp_profile(cfg.cache_dir)}",
         f"--ulimit=nofile={cfg.nofile}:{cfg.nofile}", "--ulimit=nproc=4096:4096",
         f"--ulimit=fsize={cfg.disk_mb << 20}:{cfg.disk_mb << 20}",
@@ -249,7 +251,7 @@ class PodmanSandbox(Sandbox):
         for p in ("/tests", "/logs/verifier"):
             args += ["--tmpfs", f"{p}:ro,size=4k,mode=0555"]
         args += [tag, "sleep", "infinity"]
-        r = subprocess.run(args, capture_output=True, text=True, timeout=300)
+        r = subprocess.run(args, capture_output=True, env=tool_env(), text=True, timeout=300)
         if r.returncode != 0:
             raise SandboxError(f"podman run failed: {r.stderr.strip()[-800:]}")
         # /tmp is sticky and world-writable as in Docker images (the host-built base has it 0755).
@@ -257,12 +259,16 @@ class PodmanSandbox(Sandbox):
         r = subprocess.run(
             ["podman", "exec", self.name, "/bin/sh", "-c", setup, "sh", self.workdir],
             capture_output=True,
+            env=tool_env(),
             text=True,
             timeout=120,
         )
         if r.returncode != 0:
             hint = " (podman_read_only: the image must have the workdir)" if cfg.podman_read_only else ""
             raise SandboxError(f"podman sandbox setup failed{hint}: {r.stderr.strip()[-500:]}")
+
+    def host_env(self) -> dict[str, str]:
+        return tool_env()
 
     def environment(self, env=None) -> dict[str, str]:
         # The image's own ENV (PATH, ...) stays; only add what the caller and config ask for.
@@ -322,7 +328,11 @@ class PodmanSandbox(Sandbox):
         if self._layers is None:
             fmt = "{{.GraphDriver.Name}}\n{{.GraphDriver.Data.MergedDir}}\n{{.GraphDriver.Data.UpperDir}}\n{{.GraphDriver.Data.LowerDir}}"
             r = subprocess.run(
-                ["podman", "inspect", "-f", fmt, self.name], capture_output=True, text=True, timeout=60
+                ["podman", "inspect", "-f", fmt, self.name],
+                capture_output=True,
+                env=tool_env(),
+                text=True,
+                timeout=60,
             )
             lines = r.stdout.split("\n")
             if r.returncode != 0 or len(lines) < 4 or lines[0] != "overlay" or not lines[1] or not lines[2]:
@@ -432,10 +442,15 @@ class PodmanSandbox(Sandbox):
         args += ["--rootfs", merged, *argv]
 
         def kill(_proc) -> None:
-            subprocess.run(["podman", "rm", "-f", "-i", "-t", "0", vname], capture_output=True, timeout=60)
+            subprocess.run(
+                ["podman", "rm", "-f", "-i", "-t", "0", vname],
+                capture_output=True,
+                env=tool_env(),
+                timeout=60,
+            )
 
         cap = self.cfg.max_output_bytes
-        got = run_capped(args, timeout=limit, cap=cap, on_kill=kill)
+        got = run_capped(args, timeout=limit, cap=cap, env=tool_env(), on_kill=kill)
         self.exec_durations.append(got.duration_s)
         if got.timed_out or got.truncated:
             kill(None)
@@ -446,6 +461,7 @@ class PodmanSandbox(Sandbox):
         r = subprocess.run(
             ["podman", "inspect", "-f", "{{.State.Running}}", self.name],
             capture_output=True,
+            env=tool_env(),
             text=True,
             timeout=60,
         )
@@ -455,7 +471,10 @@ class PodmanSandbox(Sandbox):
         names = [self.name] + [f"{self.name}-verify-{i}" for i in range(1, self._verifies + 1)]
         for _ in range(2):
             r = subprocess.run(
-                ["podman", "rm", "-f", "-i", "-t", "0", *names], capture_output=True, timeout=120
+                ["podman", "rm", "-f", "-i", "-t", "0", *names],
+                capture_output=True,
+                env=tool_env(),
+                timeout=120,
             )
             if r.returncode == 0:
                 break

@@ -29,6 +29,7 @@ from tmax_jax.errors import SandboxError
 from tmax_jax.sandbox import rootfs as rootfs_mod
 from tmax_jax.sandbox.config import SandboxConfig
 from tmax_jax.sandbox.layers import _sources, tree_hash
+from tmax_jax.sandbox.procs import tool_env
 from tmax_jax.sandbox.recipe import Recipe
 from tmax_jax.sandbox.rootfs_builder import STDLIB_PROBE, cached_host_rootfs, check_rootfs
 
@@ -54,6 +55,7 @@ def podman_available() -> tuple[bool, str]:
     r = subprocess.run(
         ["podman", "info", "--format", "{{.Host.OCIRuntime.Name}}"],
         capture_output=True,
+        env=tool_env(),
         text=True,
         timeout=60,
     )
@@ -65,7 +67,9 @@ def podman_available() -> tuple[bool, str]:
 def _podman(
     args: list[str], timeout: float = 600, input_bytes: bytes | None = None
 ) -> subprocess.CompletedProcess:
-    return subprocess.run(["podman", *args], capture_output=True, timeout=timeout, input=input_bytes)
+    return subprocess.run(
+        ["podman", *args], capture_output=True, env=tool_env(), timeout=timeout, input=input_bytes
+    )
 
 
 def image_exists(tag: str) -> bool:
@@ -89,7 +93,11 @@ def _lock_dir() -> Path:
     global _lock_root
     if _lock_root is None:
         r = subprocess.run(
-            ["podman", "info", "--format", "{{.Store.GraphRoot}}"], capture_output=True, text=True, timeout=60
+            ["podman", "info", "--format", "{{.Store.GraphRoot}}"],
+            capture_output=True,
+            env=tool_env(),
+            text=True,
+            timeout=60,
         )
         graph = r.stdout.strip() if r.returncode == 0 else ""
         _lock_root = (
@@ -169,7 +177,7 @@ def _import_base(
                 "-", tmp_tag,
             ],
             stdin=tar.stdout,
-            capture_output=True,
+            capture_output=True, env=tool_env(),
             timeout=600,
         )  # fmt: skip
     finally:
@@ -295,7 +303,8 @@ def _build_task_image(
             ctx.mkdir()
             text = _containerfile(recipe, base, ctx)
         (ctx / "Containerfile.tmax").write_text(text)
-        args = ["build", "--runtime", cfg.podman_runtime, "-f", str(ctx / "Containerfile.tmax"), "-t", tag]
+        args = ["build", "--runtime", cfg.podman_runtime, "--http-proxy=false"]
+        args += ["-f", str(ctx / "Containerfile.tmax"), "-t", tag]
         args += [f"--ulimit=nofile={cfg.nofile}:{cfg.nofile}", "--ulimit=nproc=4096:4096"]
         if not cfg.network:
             args.append("--network=none")

@@ -11,6 +11,29 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+# What a container tool (podman, apptainer) started on the host may see of the trainer's environment:
+# where to find itself and its storage, nothing else. podman copies the proxy variables it inherits
+# (with any ``user:password@``) into containers, apptainer turns ``APPTAINERENV_*`` into container
+# variables, and both would pass on API keys an image's build or a verifier might print.
+_TOOL_VARS = (
+    "PATH", "HOME", "USER", "LOGNAME", "TMPDIR", "LANG",
+    "XDG_RUNTIME_DIR", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_CACHE_HOME",
+)  # fmt: skip
+# Host-side configuration of the tools themselves (storage, registries, cache dirs).
+_TOOL_PREFIXES = ("CONTAINERS_", "BUILDAH_", "APPTAINER_", "SINGULARITY_")
+_TOOL_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def tool_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment every podman and apptainer command runs with: the variables those tools need
+    from ``environ`` (default ``os.environ``) and nothing of the trainer's (proxies, API keys)."""
+    src = os.environ if environ is None else environ
+    out = {k: src[k] for k in _TOOL_VARS if k in src}
+    out.update({k: v for k, v in src.items() if k.startswith(_TOOL_PREFIXES)})
+    out.setdefault("PATH", _TOOL_PATH)
+    return out
+
+
 TRUNCATION_MARKER = "\n[... output truncated by tmax-jax sandbox: more than {cap} bytes ...]\n"
 
 

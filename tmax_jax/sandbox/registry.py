@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tmax_jax.sandbox import cgroup
 from tmax_jax.sandbox.overlay import remove_unmounted_tree
-from tmax_jax.sandbox.procs import pid_alive
+from tmax_jax.sandbox.procs import pid_alive, tool_env
 
 _LIVE: dict = {}
 _LOCK = threading.Lock()
@@ -107,11 +107,17 @@ def owner_alive(rec: dict) -> bool:
 def cleanup_record(run_dir: Path, rec: dict) -> None:
     """Remove everything one sandbox record names: container, cgroup, mount, dir."""
     if rec.get("container"):
-        subprocess.run(["podman", "rm", "-f", "-t", "0", rec["container"]], capture_output=True, timeout=60)
+        subprocess.run(
+            ["podman", "rm", "-f", "-t", "0", rec["container"]],
+            capture_output=True,
+            env=tool_env(),
+            timeout=60,
+        )
     if rec.get("apptainer_instance"):
         subprocess.run(
             [rec.get("apptainer_bin", "apptainer"), "instance", "stop", "-F", rec["apptainer_instance"]],
             capture_output=True,
+            env=tool_env(),
             timeout=60,
         )
     if rec.get("cgroup"):

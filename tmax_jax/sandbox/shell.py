@@ -57,6 +57,7 @@ class ShellSession:
             stderr=subprocess.STDOUT,
             start_new_session=True,
             close_fds=True,
+            env=sb.host_env(),
         )
         os.set_blocking(self.proc.stdout.fileno(), False)
         self._buf = bytearray()
