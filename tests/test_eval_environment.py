@@ -45,6 +45,27 @@ def test_fetching_steps_are_found(step, what):
     assert network_fetches(text) == [(3, what)]
 
 
+@pytest.mark.parametrize(
+    "step",
+    [
+        # A file written through a shell heredoc: its body is the file's text, not commands.
+        "RUN mkdir -p /app && cat > /app/ci.yml << 'EOF'\nsteps:\n  - run: pip install -r requirements.txt\nEOF",
+        "RUN cat <<EOF > /app/setup.md\nThen run: curl https://example.com/get.sh | bash\nEOF",
+        "COPY <<EOF /app/README\npip install numpy\nEOF",
+    ],
+)
+def test_heredoc_file_contents_are_not_commands(step):
+    text = "FROM debian:12\nRUN echo start\n" + step + "\nRUN echo done\n"
+    assert network_fetches(text) == []
+
+
+@pytest.mark.parametrize(
+    "step", ["RUN bash <<EOF\npip install numpy\nEOF", "RUN cat <<'EOF' | sh\npip install numpy\nEOF"]
+)
+def test_heredoc_read_by_a_shell_is_commands(step):
+    assert network_fetches("FROM debian:12\n" + step + "\n") == [(2, "pip install")]
+
+
 def test_offline_dockerfile_has_no_fetches():
     assert network_fetches(OFFLINE_OK) == []
     instrs = dockerfile_instructions(OFFLINE_OK)

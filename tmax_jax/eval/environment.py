@@ -16,7 +16,7 @@ import shlex
 from pathlib import Path
 
 from tmax_jax.errors import TaskFormatError
-from tmax_jax.sandbox.recipe import instructions
+from tmax_jax.sandbox.recipe import _HEREDOC, instructions
 
 # Commands that download, matched against each simple command of a RUN step or script line (split on
 # && ; | and newlines); the first match names the command. The patterns err towards "fetches": a
@@ -69,14 +69,30 @@ class EnvironmentCheck:
     reason: str = ""  # why not, naming the file and line
 
 
+# A RUN whose heredoc a shell reads: nothing but the heredoc (BuildKit runs the body), a shell given
+# it as input (``bash <<EOF``), or a heredoc piped into one (``cat <<EOF | sh``).
+_SHELL_READS = re.compile(r"^(?:\S*/)?(?:ba|da|z)?sh(?:\s+-\w+)*$|\|\s*(?:\S*/)?(?:ba|da|z)?sh\b")
+
+
+def _runs_heredoc(rest: str) -> bool:
+    cmd = _HEREDOC.sub("", rest).strip()
+    return not cmd or bool(_SHELL_READS.search(cmd))
+
+
 def dockerfile_instructions(text: str) -> list[tuple[int, str, str]]:
-    """``(line number, INSTRUCTION, arguments)``: continuations joined, comments dropped, a heredoc's
-    body appended to its instruction's arguments (``RUN <<EOF`` runs the body)."""
+    """``(line number, INSTRUCTION, arguments)``: continuations joined, comments dropped, and a
+    heredoc's body appended to its RUN's arguments when a shell runs it (``RUN <<EOF``,
+    ``RUN bash <<EOF``). Any other heredoc body is a file's contents (``RUN cat > ci.yml <<'EOF'``,
+    ``COPY <<EOF /app/x``): data, whatever commands its text mentions."""
     try:
         parsed = instructions(text)
     except TaskFormatError:  # an unclosed heredoc: read what there is; the build reports the error
         parsed = instructions(re.sub(r"(?<!<)<<", "< <", text))
-    return [(i.line, i.name, "\n".join([i.rest, *(body for _, _, body in i.heredocs)])) for i in parsed]
+    out = []
+    for i in parsed:
+        bodies = [body for _, _, body in i.heredocs] if i.name == "RUN" and _runs_heredoc(i.rest) else []
+        out.append((i.line, i.name, "\n".join([i.rest, *bodies])))
+    return out
 
 
 def _shell_commands(script: str) -> list[str]:
