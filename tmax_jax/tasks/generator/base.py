@@ -50,6 +50,34 @@ class Family:
     def make(self, rng: random.Random, sig) -> TaskDraft:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def in_workdir(
+        self,
+        w: str,
+        prompt: str,
+        solve: str,
+        check: str,
+        fixtures: dict[str, bytes | str],
+        outputs: list[str],
+        truth: str = "",
+        inputs: list[str] | None = None,
+        **extra: Any,
+    ) -> TaskDraft:
+        """The draft most families make: ``fixtures`` copied into the work dir ``w`` at set-up, the
+        initial-state test checking that ``inputs`` (default: the fixtures) are there and the
+        ``outputs`` are not yet."""
+        inputs = [f"{w}/{name}" for name in fixtures] if inputs is None else inputs
+        return TaskDraft(
+            self.name,
+            prompt,
+            solve,
+            check,
+            files_exist_test(inputs, outputs),
+            copy_fixtures_setup(w),
+            dict(fixtures),
+            truth,
+            **extra,
+        )
+
 
 def word(rng: random.Random) -> str:
     return rng.choice(WORDS)

@@ -188,15 +188,7 @@ EOF"""
                 return relative_to_baseline(adversarial_corpus(m.is_secret, cases), base)
             """
         )
-        return TaskDraft(
-            self.name,
-            prompt,
-            solve,
-            textwrap.dedent(check),
-            files_exist_test([f"{w}/samples.txt"], [mod]),
-            copy_fixtures_setup(w),
-            {"samples.txt": samples},
-        )
+        return self.in_workdir(w, prompt, solve, textwrap.dedent(check), {"samples.txt": samples}, [mod])
 
 
 @register
@@ -230,16 +222,7 @@ open('{out}', 'w').write(''.join(f'{{u}}:{{table[h]}}\\n' for u, h in sorted(row
 EOF"""
         check = exact_text_check(out, truth)
         fixtures = {"hashes.txt": shadow, "wordlist.txt": "\n".join(wordlist) + "\n"}
-        return TaskDraft(
-            self.name,
-            prompt,
-            solve,
-            check,
-            files_exist_test([f"{w}/hashes.txt"], [out]),
-            copy_fixtures_setup(w),
-            fixtures,
-            truth,
-        )
+        return self.in_workdir(w, prompt, solve, check, fixtures, [out], truth, inputs=[f"{w}/hashes.txt"])
 
 
 @register
@@ -430,14 +413,8 @@ EOF"""
                 return relative_to_baseline(fuzz_equivalence(m.slugify, _ref_slug, _gen, n=300, seed=seed), base)
             """
         )
-        return TaskDraft(
-            self.name,
-            prompt,
-            solve,
-            textwrap.dedent(check),
-            files_exist_test([f"{w}/vendor/{pkg}/text.py"]),
-            copy_fixtures_setup(w),
-            fixtures,
+        return self.in_workdir(
+            w, prompt, solve, textwrap.dedent(check), fixtures, [], inputs=[f"{w}/vendor/{pkg}/text.py"]
         )
 
 
@@ -481,14 +458,8 @@ class OffByOne(Family):
                 return relative_to_baseline(fuzz_equivalence(lambda a: f(*a), _ref, _gen, n=300, seed=seed), base)
             """
         )
-        return TaskDraft(
-            self.name,
-            prompt,
-            solve,
-            textwrap.dedent(check),
-            files_exist_test([mod]),
-            copy_fixtures_setup(w),
-            {Path(mod).name: buggy},
+        return self.in_workdir(
+            w, prompt, solve, textwrap.dedent(check), {Path(mod).name: buggy}, [], inputs=[mod]
         )
 
 
@@ -530,14 +501,8 @@ class LeapYearFix(Family):
                 return relative_to_baseline(adversarial_corpus(m.is_leap, cases), base)
             """
         )
-        draft = TaskDraft(
-            self.name,
-            prompt,
-            solve,
-            textwrap.dedent(check),
-            files_exist_test([mod]),
-            copy_fixtures_setup(w),
-            {Path(mod).name: buggy},
+        draft = self.in_workdir(
+            w, prompt, solve, textwrap.dedent(check), {Path(mod).name: buggy}, [], inputs=[mod]
         )
         draft.params = {"module": mod}
         return draft
@@ -615,12 +580,6 @@ EOF"""
                 return relative_to_baseline(score(m.parse_duration), base)
             """
         )
-        return TaskDraft(
-            self.name,
-            prompt,
-            solve,
-            textwrap.dedent(check),
-            files_exist_test([mod]),
-            copy_fixtures_setup(w),
-            {"durations.py": buggy},
+        return self.in_workdir(
+            w, prompt, solve, textwrap.dedent(check), {"durations.py": buggy}, [], inputs=[mod]
         )

@@ -71,15 +71,8 @@ class CidrMembership(Family):
             to {net}, in ascending numeric order.""",
         )
         solve = f"python3 -c \"import ipaddress as i; n=i.ip_network('{net}'); ips=[i.ip_address(l) for l in open('{w}/hosts.txt').read().split()]; open('{out}','w').write(''.join(str(a)+chr(10) for a in sorted(x for x in ips if x in n)))\"\n"
-        return TaskDraft(
-            self.name,
-            prompt,
-            solve,
-            exact_text_check(out, truth),
-            files_exist_test([f"{w}/hosts.txt"], [out]),
-            copy_fixtures_setup(w),
-            {"hosts.txt": "\n".join(ips) + "\n"},
-            truth,
+        return self.in_workdir(
+            w, prompt, solve, exact_text_check(out, truth), {"hosts.txt": "\n".join(ips) + "\n"}, [out], truth
         )
 
 
@@ -112,14 +105,13 @@ class LatencyReport(Family):
             1 decimal>' for every host that replied, sorted by host name.""",
         )
         solve = f'grep -oE \'from [^:]+: .*time=[0-9.]+\' {w}/ping.log | awk \'{{h=$2; sub(":","",h); split($NF,a,"="); s[h]+=a[2]; n[h]++}} END {{for (h in s) printf "%s %.1f\\n", h, s[h]/n[h]}}\' | sort > {out}\n'
-        return TaskDraft(
-            self.name,
+        return self.in_workdir(
+            w,
             prompt,
             solve,
             exact_text_check(out, truth),
-            files_exist_test([f"{w}/ping.log"], [out]),
-            copy_fixtures_setup(w),
             {"ping.log": "\n".join(lines) + "\n"},
+            [out],
             truth,
         )
 
@@ -294,15 +286,7 @@ class CompressionRatio(Family):
                     return 0.0
                 return metric_threshold(SIZE / p.stat().st_size, {bound!r}, 1.0)
             """
-        return TaskDraft(
-            self.name,
-            prompt,
-            solve,
-            check,
-            files_exist_test([f"{w}/access.log"], [out]),
-            copy_fixtures_setup(w),
-            {"access.log": text},
-        )
+        return self.in_workdir(w, prompt, solve, check, {"access.log": text}, [out])
 
 
 @register
@@ -335,15 +319,15 @@ class EnvTemplate(Family):
             "t = re.sub(r'\\$\\{(\\w+)\\}', lambda m: env[m.group(1)], t).replace('$$', '$')\n"
             f"open('{out}', 'w').write(t)\nPYEOF\n"
         )
-        return TaskDraft(
-            self.name,
+        return self.in_workdir(
+            w,
             prompt,
             solve,
             exact_text_check(out, truth),
-            files_exist_test([f"{w}/config.tmpl"], [out]),
-            copy_fixtures_setup(w),
             {"config.tmpl": tmpl, "deploy.env": env},
+            [out],
             truth,
+            inputs=[f"{w}/config.tmpl"],
         )
 
 
@@ -399,16 +383,7 @@ class MakefileFix(Family):
                     return 0.0
                 return exact_text(chr(10).join(lines[1:]), {truth!r})
             """
-        return TaskDraft(
-            self.name,
-            prompt,
-            solve,
-            check,
-            files_exist_test([f"{w}/Makefile"], [f"{w}/app"]),
-            copy_fixtures_setup(w),
-            files,
-            truth,
-        )
+        return self.in_workdir(w, prompt, solve, check, files, [f"{w}/app"], truth, inputs=[f"{w}/Makefile"])
 
 
 @register
@@ -539,14 +514,8 @@ class SignalStats(Family):
                 err = max(abs(m - {m!r}), abs(s - {std!r})) / {std!r}
                 return log_credit(err, 1e-6, 1e-4)
             """)
-        return TaskDraft(
-            self.name,
-            prompt,
-            solve,
-            check,
-            files_exist_test([f"{w}/signal.txt"], [out]),
-            copy_fixtures_setup(w),
-            {"signal.txt": "".join(f"{x!r}\n" for x in xs)},
+        return self.in_workdir(
+            w, prompt, solve, check, {"signal.txt": "".join(f"{x!r}\n" for x in xs)}, [out]
         )
 
 
@@ -575,15 +544,15 @@ class UnitConversion(Family):
         )
         solve = f"python3 -c \"import sys; rows=[l.split(',') for l in open('{w}/fahrenheit.csv').read().split()]; open('{out}','w').write(''.join(f'{{s}},{{(float(t) - 32) * 5 / 9:.2f}}' + chr(10) for s, t in rows))\"\n"
         fixtures = {"fahrenheit.csv": "".join(f"{s},{t}\n" for s, t in zip(stations, temps))}
-        draft = TaskDraft(
-            self.name,
+        draft = self.in_workdir(
+            w,
             prompt,
             solve,
             exact_text_check(out, truth),
-            files_exist_test([f"{w}/fahrenheit.csv"], [out]),
-            copy_fixtures_setup(w),
             fixtures,
+            [out],
             truth,
+            inputs=[f"{w}/fahrenheit.csv"],
         )
         draft.params = {"output": out}
         return draft

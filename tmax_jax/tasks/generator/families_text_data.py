@@ -62,15 +62,15 @@ class LogErrorCount(Family):
         )
         solve = f'cd {w}\nfor f in $(ls *.log | sort); do echo "$f: $(awk \'$2 == "{level}"\' "$f" | wc -l)"; done > {out}\n'
         check = exact_text_check(out, chr(10).join(expected))
-        return TaskDraft(
-            self.name,
+        return self.in_workdir(
+            w,
             prompt,
             solve,
             check,
-            files_exist_test([f"{w}/{n}" for n in fixtures], [out]),
-            copy_fixtures_setup(w),
             fixtures,
+            [out],
             "\n".join(expected),
+            inputs=[f"{w}/{n}" for n in fixtures],
         )
 
 
@@ -163,16 +163,7 @@ open({out!r}, 'w').write('\\n'.join(lines) + '\\n')
 EOF"""
         truth = "\n".join(sorted(groups))
         check = exact_text_check(out, truth)
-        return TaskDraft(
-            self.name,
-            prompt,
-            solve,
-            check,
-            files_exist_test([w], [out]),
-            copy_fixtures_setup(w),
-            fixtures,
-            truth,
-        )
+        return self.in_workdir(w, prompt, solve, check, fixtures, [out], truth, inputs=[w])
 
 
 @register
@@ -206,16 +197,7 @@ class ResourceReport(Family):
         )
         solve = f"tail -n +2 {w}/ps_snapshot.txt | sort -k3,3nr -k1,1n | head -n {top} | awk '{{print $2, $3}}' > {out}\n"
         check = exact_text_check(out, truth)
-        return TaskDraft(
-            self.name,
-            prompt,
-            solve,
-            check,
-            files_exist_test([f"{w}/ps_snapshot.txt"], [out]),
-            copy_fixtures_setup(w),
-            {"ps_snapshot.txt": text},
-            truth,
-        )
+        return self.in_workdir(w, prompt, solve, check, {"ps_snapshot.txt": text}, [out], truth)
 
 
 @register
@@ -247,15 +229,8 @@ class DateRewrite(Family):
         solve = f"sed -E 's#([0-9]{{2}})/([0-9]{{2}})/([0-9]{{4}})#\\3-\\2-\\1#g' {w}/records.txt > {out}\n"
         truth = "\n".join(want)
         check = exact_text_check(out, truth)
-        return TaskDraft(
-            self.name,
-            prompt,
-            solve,
-            check,
-            files_exist_test([f"{w}/records.txt"], [out]),
-            copy_fixtures_setup(w),
-            {"records.txt": "\n".join(lines) + "\n"},
-            truth,
+        return self.in_workdir(
+            w, prompt, solve, check, {"records.txt": "\n".join(lines) + "\n"}, [out], truth
         )
 
 
@@ -291,16 +266,7 @@ class WordFrequency(Family):
         )
         solve = f"tr ' ' '\\n' < {w}/article.txt | tr 'A-Z' 'a-z' | grep -v '^$' | sort | uniq -c | awk '{{print $1, $2}}' | sort -k1,1nr -k2,2 | head -n {k} > {out}\n"
         check = exact_text_check(out, truth)
-        return TaskDraft(
-            self.name,
-            prompt,
-            solve,
-            check,
-            files_exist_test([f"{w}/article.txt"], [out]),
-            copy_fixtures_setup(w),
-            {"article.txt": text + "\n"},
-            truth,
-        )
+        return self.in_workdir(w, prompt, solve, check, {"article.txt": text + "\n"}, [out], truth)
 
 
 WORDS_FOR_TEXT = "river stone cloud signal market garden engine paper window bridge forest shadow letter metal silver planet number".split()
@@ -355,16 +321,7 @@ class OcrCode(Family):
         )
         solve = f"tesseract {w}/badge.png stdout 2>/dev/null | tr -d ' \\n' | grep -oE '[A-Z]{{4}}-[0-9]{{4}}' | head -1 > {out}\n"
         check = exact_text_check(out, code)
-        return TaskDraft(
-            self.name,
-            prompt,
-            solve,
-            check,
-            files_exist_test([f"{w}/badge.png"], [out]),
-            copy_fixtures_setup(w),
-            {"badge.png": buf.getvalue()},
-            code,
-        )
+        return self.in_workdir(w, prompt, solve, check, {"badge.png": buf.getvalue()}, [out], code)
 
 
 @register
@@ -420,14 +377,8 @@ class AudioMetadata(Family):
                     return 0.0
                 return exact_text(p.read_text(), {want!r})
             """
-        return TaskDraft(
-            self.name,
-            prompt,
-            solve,
-            check,
-            files_exist_test([f"{w}/{n}" for n in fixtures], [out]),
-            copy_fixtures_setup(w),
-            fixtures,
+        return self.in_workdir(
+            w, prompt, solve, check, fixtures, [out], inputs=[f"{w}/{n}" for n in fixtures]
         )
 
 
@@ -461,16 +412,7 @@ class CsvGroupSum(Family):
         )
         solve = f"tail -n +2 {w}/data.csv | awk -F, '{{s[$2] += $3}} END {{for (k in s) print k \",\" s[k]}}' | sort > {out}\n"
         check = exact_text_check(out, truth)
-        return TaskDraft(
-            self.name,
-            prompt,
-            solve,
-            check,
-            files_exist_test([f"{w}/data.csv"], [out]),
-            copy_fixtures_setup(w),
-            {"data.csv": buf.getvalue()},
-            truth,
-        )
+        return self.in_workdir(w, prompt, solve, check, {"data.csv": buf.getvalue()}, [out], truth)
 
 
 @register
@@ -530,15 +472,7 @@ EOF"""
                 return metric_threshold(rmse, {bound!r}, {worst!r}, higher_is_better=False)
             """
         fixtures = {"train.csv": train, "test.txt": "".join(f"{x:.4f}\n" for x in tx)}
-        return TaskDraft(
-            self.name,
-            prompt,
-            solve,
-            check,
-            files_exist_test([f"{w}/train.csv"], [out]),
-            copy_fixtures_setup(w),
-            fixtures,
-        )
+        return self.in_workdir(w, prompt, solve, check, fixtures, [out], inputs=[f"{w}/train.csv"])
 
 
 @register
@@ -583,13 +517,4 @@ rows = con.execute('select customer, sum(total) s from orders group by customer 
 open('{out}', 'w').write(''.join(f'{{c}}|{{s}}\\n' for c, s in rows))
 EOF"""
         check = exact_text_check(out, truth)
-        return TaskDraft(
-            self.name,
-            prompt,
-            solve,
-            check,
-            files_exist_test([f"{w}/shop.db"], [out]),
-            copy_fixtures_setup(w),
-            {"shop.db": blob},
-            truth,
-        )
+        return self.in_workdir(w, prompt, solve, check, {"shop.db": blob}, [out], truth)
