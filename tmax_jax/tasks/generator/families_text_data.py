@@ -101,7 +101,7 @@ class PermissionFix(Family):
             mode 644. Do not rename, delete or edit the files.""",
         )
         solve = f"cd {w}\nchmod 750 *.sh 2>/dev/null || true\nchmod 600 *.key 2>/dev/null || true\nchmod 644 *.txt 2>/dev/null || true\n"
-        want = {f"{w}/{n}": rules[Path(n).suffix] for n in names}
+        want = {f"{w}/{n}": rules[Path(n).suffix] for n in sorted(names)}
         check = f"""
             import os, stat
             def grade():
