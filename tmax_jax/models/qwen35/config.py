@@ -453,41 +453,6 @@ PRESETS: dict[str, Qwen35Config] = {
         bos_token_id=151643,
         eos_token_id=151645,
     ),
-    # Tiny MoE and Qwen3 shapes for CPU tests and demos.
-    "tiny-moe": Qwen35Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=0,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        rope_theta=10_000.0,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=64,
-    ),
-    "tiny-qwen3": Qwen35Config(
-        family=QWEN3,
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        partial_rotary_factor=1.0,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        rope_theta=10_000.0,
-    ),
     # A few seconds to compile on a laptop CPU; same structure as the real ones (3 linear + 1 full).
     "tiny": Qwen35Config(
         vocab_size=512,
@@ -507,3 +472,16 @@ PRESETS: dict[str, Qwen35Config] = {
         rope_theta=10_000.0,
     ),
 }
+# Tiny MoE and Qwen3 shapes for CPU tests and demos: the tiny preset with one thing changed.
+PRESETS["tiny-moe"] = dataclasses.replace(
+    PRESETS["tiny"],
+    intermediate_size=0,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=64,
+    layer_types=(),
+)
+PRESETS["tiny-qwen3"] = dataclasses.replace(
+    PRESETS["tiny"], family=QWEN3, num_hidden_layers=2, partial_rotary_factor=1.0, layer_types=()
+)
