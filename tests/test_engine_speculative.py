@@ -188,7 +188,7 @@ def test_speculative_options_name_what_is_wrong(ckpt, tmp_path):
     mtp.* tensors and MoE routing replay are errors that name the option."""
     from tmax_jax.engine.api import speculative_settings
     from tmax_jax.train.config import load_train_config
-    from tmax_jax.train.run import draft_settings
+    from tmax_jax.train.mtp_fit import draft_settings
 
     plain = make_tiny_hf_checkpoint(tmp_path / "plain", seed=3)
     assert speculative_settings(plain, 0) == {}

@@ -171,8 +171,7 @@ def _exported_draft_is_step_3s(run_dir, out_dir):
     from tmax_jax.checkpoints import load_hf, load_mtp
     from tmax_jax.rl.state import TrainCheckpointer
     from tmax_jax.train.config import load_train_config
-    from tmax_jax.train.mtp_fit import DraftFitter
-    from tmax_jax.train.run import new_draft
+    from tmax_jax.train.mtp_fit import DraftFitter, new_draft
 
     exported = load_mtp(out_dir)
     fitter = DraftFitter(load_hf(out_dir), exported, learning_rate=1e-3, batch_size=1, seq_len=8)

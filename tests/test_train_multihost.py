@@ -287,8 +287,7 @@ def test_pair_fits_the_draft_one_process_would(pod_run):
     from tmax_jax.rl.train_step import TrainStep
     from tmax_jax.sharding import make_mesh
     from tmax_jax.train.config import TrainConfig
-    from tmax_jax.train.mtp_fit import DraftFitter
-    from tmax_jax.train.run import new_draft
+    from tmax_jax.train.mtp_fit import DraftFitter, new_draft
 
     run_dir = pod_run["run_dir"]
     cfg = override(TrainConfig(), load_yaml(run_dir / "config.yaml"))

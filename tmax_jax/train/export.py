@@ -57,7 +57,7 @@ def export_step(run_dir: str | Path, step: int | None, out_dir: str | Path) -> t
 def _fitted_draft(cfg: TrainConfig, ckpt, step: int, policy, mtp, init: Path):
     """The MTP module checkpointed with ``step`` (in the structure of ``mtp``, or of a new module
     like the one the run started from when the checkpoints hold none)."""
-    from tmax_jax.train.run import config_draft_fitter, new_draft
+    from tmax_jax.train.mtp_fit import config_draft_fitter, new_draft
 
     fitter = config_draft_fitter(cfg, policy, new_draft(cfg, init) if mtp is None else mtp)
     fitter.load_state(ckpt.restore_draft(step, fitter.abstract_state()))

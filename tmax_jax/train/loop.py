@@ -27,11 +27,13 @@ import time
 
 from tmax_jax.distributed import is_primary, synchronous_cpu_dispatch
 from tmax_jax.train.config import TrainConfig
+from tmax_jax.train.console import log
 from tmax_jax.train.interrupts import Interrupts
 from tmax_jax.train.metrics import progress_bar
+from tmax_jax.train.mtp_fit import refit_draft
 from tmax_jax.train.producer import kill_sandboxes
 from tmax_jax.train.report import write_report
-from tmax_jax.train.run import Run, build_run, log, refit_draft
+from tmax_jax.train.run import Run, build_run
 from tmax_jax.train.setup import enable_compilation_cache
 
 _Interrupts = Interrupts  # the name tests and older callers use

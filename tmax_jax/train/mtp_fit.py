@@ -18,8 +18,10 @@ samples.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +30,16 @@ import optax
 from flax import nnx
 
 from tmax_jax import launch
+from tmax_jax.distributed import allgather_json
 from tmax_jax.errors import ConfigError
 from tmax_jax.rl.logprobs import head_logits
+from tmax_jax.train.console import log
 from tmax_jax.trees import check_like
+
+if TYPE_CHECKING:
+    from tmax_jax.train.config import TrainConfig
+    from tmax_jax.train.learner import Learner
+    from tmax_jax.train.run import Run
 
 
 def pad_rows(
@@ -415,3 +424,115 @@ def draft_tokens_per_step(
         orch.generate(reqs)
         slot_steps, tokens = orch.take_decode_counts()
     return tokens / max(slot_steps, 1)
+
+
+# ---- a train run's draft: settings, fitter, hand-over to the engine, resume ---------------------
+def draft_fitter(cfg: TrainConfig, learner: Learner, mtp: Any, nproc: int) -> Any:
+    """The ``DraftFitter`` of ``engine.draft_fit_steps`` (None when 0). Several processes fit one
+    copy of the draft placed on the train mesh like the policy (every process runs the same steps on
+    every process's rollouts); after each fit each engine gets its own full copy (``push_draft``)."""
+    if not cfg.engine.draft_fit_steps:
+        return None
+    from flax import nnx
+
+    from tmax_jax.sharding import ProcessReplicas, param_shardings, shard_tree
+
+    replicas = None
+    if nproc > 1:
+        graphdef, params, rest = nnx.split(mtp, nnx.Param, ...)
+        mesh = learner.train_step.mesh
+        params = shard_tree(params, param_shardings(params, mesh, cfg.mesh))
+        mtp = nnx.merge(graphdef, params, rest)
+        replicas = ProcessReplicas(params, cfg.mesh)
+    fitter = config_draft_fitter(cfg, learner.train_step.model(learner.state), mtp)
+    fitter.replicas = replicas
+    return fitter
+
+
+def config_draft_fitter(cfg: TrainConfig, policy: Any, mtp: Any) -> Any:
+    """A ``DraftFitter`` of ``mtp`` towards ``policy`` with the run's ``engine.draft_fit_*`` settings
+    (a train run's, or export's restore target for the draft it saved)."""
+    e = cfg.engine
+    return DraftFitter(
+        policy, mtp, learning_rate=e.draft_fit_learning_rate, batch_size=e.draft_fit_batch_size,
+        seq_len=cfg.seq_len, seed=cfg.seed,
+    )  # fmt: skip
+
+
+def push_draft(fitter: Any, engine: Any) -> None:
+    """Give ``engine`` the fitter's module: with several processes, this process's full copy of it (a
+    collective: every process calls it at the same point)."""
+    module = fitter.module()
+    if fitter.replicas is not None:
+        from flax import nnx
+
+        graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+        module = nnx.merge(graphdef, fitter.replicas(params), rest)
+    engine.update_draft(module)
+
+
+def resume_draft(fitter: Any, ckpt: Any, step: int, engine: Any) -> None:
+    """Go on fitting from the draft checkpointed with ``step`` and give it to ``engine``; a
+    checkpoint without one (fitting turned on after it was written) leaves the fitter as it is."""
+    saved = ckpt.restore_draft(step, fitter.abstract_state())
+    if saved is None:
+        log(f"checkpoint step {step} holds no fitted draft: fitting goes on from the draft loaded at start")
+        return
+    fitter.load_state(saved)
+    push_draft(fitter, engine)
+    log(f"restored the draft fitted up to step {step}")
+
+
+def refit_draft(run: Run, batch: Any, step: int) -> dict:
+    """Fit the draft to the policy the learner just made (that of ``step``), on ``batch``'s rollouts,
+    and give it to the engine (what the engine samples does not change; how many drafts survive
+    does). Metrics."""
+    t0 = time.monotonic()
+    policy = run.learner.train_step.model(run.learner.state)
+    trajs = [t for g in batch.groups for t in g.trajectories]
+    # Every process's rollouts, in process order: each process runs the same fit on the same rows.
+    shares = allgather_json([[list(t.tokens), list(t.response_mask)] for t in trajs])
+    rows = [r for share in shares for r, _ in share]
+    masks = [m for share in shares for _, m in share]
+    # Rows drawn from a stream of the step's own, so a resumed run fits as the first would have.
+    seed = (run.cfg.seed, step)
+    losses = run.draft_fitter.fit(policy, rows, run.cfg.engine.draft_fit_steps, masks=masks, seed=seed)
+    push_draft(run.draft_fitter, run.engine)
+    return {"speculative/draft_loss": losses[-1], "speculative/draft_fit_s": time.monotonic() - t0}
+
+
+def draft_settings(cfg: TrainConfig, init: Path, mesh: Any) -> dict:
+    """The engine's speculative-decoding arguments for ``engine.speculative_tokens`` ({} when 0):
+    the MTP module of the policy's checkpoint (frozen, or fitted after every step with
+    ``engine.draft_fit_steps``, which also starts a new one when the checkpoint has none). One
+    process: placed on the train mesh like the policy's weights; several: on the default device, and
+    each engine replicates it over its own copy's devices."""
+    from tmax_jax.checkpoints import load_mtp
+    from tmax_jax.engine.api import speculative_settings
+
+    k = cfg.engine.speculative_tokens
+    if k and cfg.rl.train_step.routing_replay:
+        raise ConfigError(
+            f"engine.speculative_tokens={k} with rl.train_step.routing_replay: a speculative engine "
+            "does not record the experts each token was routed to"
+        )
+    load = dict(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, mesh=mesh, rules=cfg.mesh.rules)
+    if k and cfg.engine.draft_fit_steps:
+        mtp = load_mtp(init, **load)
+        if mtp is None:
+            log(f"{init} holds no MTP module: drafting with a new one, fitted after every step")
+            mtp = new_draft(cfg, init)
+        return {"mtp": mtp, "speculative_tokens": k}
+    return speculative_settings(init, k, setting="engine.speculative_tokens", **load)
+
+
+def new_draft(cfg: TrainConfig, init: Path) -> Any:
+    """A new one-layer MTP module for the model of checkpoint ``init`` (seeded by ``cfg.seed``): the
+    draft ``engine.draft_fit_steps`` starts from when the checkpoint has none."""
+    from flax import nnx
+
+    from tmax_jax.checkpoints import read_hf_config
+    from tmax_jax.models.qwen35.mtp import MultiTokenPredictor
+
+    dt, pdt = jnp.dtype(cfg.model.dtype), jnp.dtype(cfg.model.param_dtype)
+    return MultiTokenPredictor(read_hf_config(init), 1, dtype=dt, param_dtype=pdt, rngs=nnx.Rngs(cfg.seed))
