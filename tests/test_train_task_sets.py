@@ -9,9 +9,10 @@ import pytest
 from tmax_jax.errors import ConfigError
 from tmax_jax.tasks import load_task
 from tmax_jax.tasks.generator.registry import all_families
+from tmax_jax.tasks.model import task_axes, task_family
 from tmax_jax.train.config import load_train_config
 from tmax_jax.train.demo_tasks import HELDOUT_NAMES, TRAIN_NAMES, write_tasks
-from tmax_jax.train.setup import load_task_sets, task_axes, task_family
+from tmax_jax.train.setup import load_task_sets
 
 
 def _cfg(tmp_path, **tasks):

@@ -166,10 +166,10 @@ def _print_summary(summary: dict, out: Path, label: str = "") -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tmax_jax.compilation_cache import enable_compilation_cache
     from tmax_jax.eval.runner import EvalConfig, evaluate
     from tmax_jax.eval.summary import harness_matrix
     from tmax_jax.sandbox.config import SandboxConfig
-    from tmax_jax.train.setup import enable_compilation_cache
 
     enable_compilation_cache(min_compile_secs=1.0)  # a model agent's engine programs, for the next run
     cfg = EvalConfig(

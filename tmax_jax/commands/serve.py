@@ -41,12 +41,12 @@ def run(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     from tmax_jax.checkpoints import load_hf
+    from tmax_jax.compilation_cache import enable_compilation_cache
     from tmax_jax.engine import Engine, Orchestrator
     from tmax_jax.engine.api import model_eos_ids, speculative_settings
     from tmax_jax.engine.server import OpenAIServer
     from tmax_jax.errors import CheckpointError
     from tmax_jax.tokenizer import load_tokenizer
-    from tmax_jax.train.setup import enable_compilation_cache
 
     # The engine's prefill and decode programs compile in seconds each (minutes for large models on
     # an accelerator): a second run with the same shapes loads them from disk.

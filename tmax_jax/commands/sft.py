@@ -99,9 +99,9 @@ def _demonstrations(args, cfg, tokenizer) -> list:
 
 def run(args: argparse.Namespace) -> int:
     from tmax_jax.checkpoints import read_hf_config
+    from tmax_jax.compilation_cache import enable_compilation_cache
     from tmax_jax.distributed import synchronous_cpu_dispatch
     from tmax_jax.tokenizer import load_tokenizer
-    from tmax_jax.train.setup import enable_compilation_cache
     from tmax_jax.train.sft import run_sft, successful_trajectories
 
     cfg = _config(args)

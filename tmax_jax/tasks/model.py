@@ -177,3 +177,15 @@ def boolean(value: Any, where: str) -> bool:
     if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no"):
         return value.lower() in ("true", "yes")
     raise TaskFormatError(f"{where}: expected true/false, got {value!r}")
+
+
+def task_family(task: Task) -> str:
+    """The family a task belongs to (its metadata, else "other")."""
+    return str(task.metadata.get("family") or task.signature.get("family") or "other")
+
+
+def task_axes(task: Task) -> dict[str, str]:
+    """A task's axis values: the TMAX signature, or a Harbor task's ``axis_*`` metadata."""
+    if task.signature:
+        return {k: str(v) for k, v in task.signature.items()}
+    return {k[5:]: str(v) for k, v in task.metadata.items() if k.startswith("axis_")}

@@ -25,6 +25,7 @@ import contextlib
 import json
 import time
 
+from tmax_jax.compilation_cache import enable_compilation_cache
 from tmax_jax.distributed import is_primary, synchronous_cpu_dispatch
 from tmax_jax.train.config import TrainConfig
 from tmax_jax.train.console import log
@@ -34,7 +35,6 @@ from tmax_jax.train.mtp_fit import refit_draft
 from tmax_jax.train.producer import kill_sandboxes
 from tmax_jax.train.report import write_report
 from tmax_jax.train.run import Run, build_run
-from tmax_jax.train.setup import enable_compilation_cache
 
 _Interrupts = Interrupts  # the name tests and older callers use
 

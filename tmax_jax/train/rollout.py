@@ -263,7 +263,7 @@ def pass_rates_by_group(tasks: Sequence[Task], before: dict, after: dict) -> dic
     Returns ``{"by_family": {family: {before, after, tasks}}, "by_axis": {axis: {value: {...}}}}``;
     a result without ``per_task`` (an eval written by an older version) gives ``None`` for its side.
     """
-    from tmax_jax.train.setup import task_axes, task_family
+    from tmax_jax.tasks.model import task_axes, task_family
 
     def rates(result: dict, members: list[int]) -> float | None:
         per = result.get("per_task")

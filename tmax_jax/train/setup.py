@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -36,25 +35,6 @@ RESUMABLE_CHANGES = {
     "plan",
     "distributed",
 }
-
-
-def enable_compilation_cache(min_compile_secs: float = 2.0) -> str:
-    """Keep compiled train/engine steps on disk, so a resumed or repeated run skips recompiling.
-
-    Each distinct packed-row count compiles the train step once (tens of seconds on a laptop CPU);
-    JAX's persistent cache makes that a one-time cost per machine. ``JAX_COMPILATION_CACHE_DIR``
-    wins when set (the TPU launcher sets it); otherwise ``~/.cache/tmax-jax/jax``. Only executables
-    that took ``min_compile_secs`` or more to build get a disk entry
-    (``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` wins when set). JAX writes entries whole under a
-    file lock, so processes sharing the directory are safe.
-    """
-    import jax
-
-    path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(Path.home() / ".cache" / "tmax-jax" / "jax")
-    jax.config.update("jax_compilation_cache_dir", path)
-    secs = os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS") or min_compile_secs
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(secs))
-    return path
 
 
 def prepare_run_dir(cfg: TrainConfig) -> Path:
@@ -329,18 +309,6 @@ def _instruction(task_dir: Path) -> str:
         data = json.loads(j.read_text())
         return str(data.get("prompt") or data.get("instruction") or data.get("description") or "").strip()
     return ""
-
-
-def task_family(task: Task) -> str:
-    """The family a task belongs to (its metadata, else "other")."""
-    return str(task.metadata.get("family") or task.signature.get("family") or "other")
-
-
-def task_axes(task: Task) -> dict[str, str]:
-    """A task's axis values: the TMAX signature, or a Harbor task's ``axis_*`` metadata."""
-    if task.signature:
-        return {k: str(v) for k, v in task.signature.items()}
-    return {k[5:]: str(v) for k, v in task.metadata.items() if k.startswith("axis_")}
 
 
 def load_task_sets(cfg: TrainConfig, run_dir: Path) -> tuple[list[Task], list[Task]]:
