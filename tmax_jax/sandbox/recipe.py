@@ -351,140 +351,176 @@ def parse_dockerfile(
         text = path.read_text(encoding="utf-8")
     except (UnicodeDecodeError, OSError) as e:
         raise TaskFormatError(f"{path}: cannot read the Dockerfile: {e}") from None
-    recipe = Recipe(base="", context=path.parent)
-    build_args = dict(build_args or {})
-    global_args: dict[str, str] = {}  # ARGs before the first FROM: only for FROM lines
-    env: dict[str, str] = dict(base_env or DEFAULT_BASE_ENV)
-    stage = _Stage()
-    n_written = 0
-    parsed = instructions(text, path)
-    stages = _Stages(parsed, tuple(read_only if read_only is not None else DEFAULT_READ_ONLY))
-    done_steps: list[Step] = []  # earlier stages' steps, isolated
-    for ins in parsed:
-        inst, rest, lineno, line = ins.name, ins.rest, ins.line, ins.source
-        where = f"{path}:{lineno}"
-        # Expansion sees the stage's ARGs and ENVs (ENV wins, as in Docker).
-        scope = {**stage.args, **env}
-        if inst == "FROM":
-            words = [w for w in rest.split() if not w.startswith("--")]
-            if not words:
-                raise TaskFormatError(f"{where}: FROM needs an image name")
-            image = _subst(words[0], global_args)
-            alias = words[2].lower() if len(words) >= 3 and words[1].lower() == "as" else None
-            if recipe.base and image.lower() in stages.current_names:
-                # FROM <the stage just finished>: the same filesystem and variables carry on.
-                if alias:
-                    stages.current_names.append(alias)
-                    stages.names[alias] = stages.count
-                continue
-            if recipe.base:
-                if image.lower() in stages.names:
-                    raise TaskFormatError(
-                        f"{where}: FROM {image} (an earlier, not the previous, build stage) is not supported "
-                        "by the bwrap backend"
-                    )
-                if stages.needed():
-                    done_steps += stages.isolate(recipe.steps, stages.count)
-                stages.count += 1
-                recipe.steps = []
-                env = dict(base_env or DEFAULT_BASE_ENV)
-                stage = _Stage()
-                recipe.user = "root"
-            from tmax_jax.sandbox.rootfs import is_known_base
+    return _DockerfileReplay(path, text, build_args, base_env, read_only).recipe()
 
-            if stages.count and recipe.base and not is_known_base(image) and not Path(image).is_dir():
+
+class _DockerfileReplay:
+    """The state of one parse (the stage being built, its variables, the stages before it) and one
+    handler per instruction (``_from``, ``_arg``, ``_run``, ...)."""
+
+    def __init__(self, path: Path, text: str, build_args, base_env, read_only):
+        self.path = path
+        self.rec = Recipe(base="", context=path.parent)
+        self.build_args = dict(build_args or {})
+        self.base_env = dict(base_env or DEFAULT_BASE_ENV)
+        self.global_args: dict[str, str] = {}  # ARGs before the first FROM: only for FROM lines
+        self.env: dict[str, str] = dict(self.base_env)
+        self.stage = _Stage()
+        self.n_written = 0
+        self.parsed = instructions(text, path)
+        self.stages = _Stages(self.parsed, tuple(read_only if read_only is not None else DEFAULT_READ_ONLY))
+        self.done_steps: list[Step] = []  # earlier stages' steps, isolated
+        self.handlers = {
+            "FROM": self._from,
+            "ARG": self._arg,
+            "RUN": self._run,
+            "COPY": self._copy,
+            "ADD": self._copy,
+            "WORKDIR": self._workdir,
+            "ENV": self._env,
+            "SHELL": self._shell,
+            "USER": self._user,
+        }
+
+    def recipe(self) -> Recipe:
+        rec = self.rec
+        for ins in self.parsed:
+            where = f"{self.path}:{ins.line}"
+            handler = self.handlers.get(ins.name)
+            if ins.name not in ("FROM", "ARG") and not rec.base:
+                raise TaskFormatError(f"{where}: {ins.name} before FROM")
+            if handler is not None:
+                # Expansion sees the stage's ARGs and ENVs (ENV wins, as in Docker).
+                handler(ins, where, {**self.stage.args, **self.env})
+            elif ins.name in IGNORED:
+                rec.ignored.append(ins.source)
+            elif ins.name in UNSUPPORTED:
                 raise TaskFormatError(
-                    f"{where}: build stage base {image} has no local rootfs for the bwrap backend"
+                    f"{where}: Dockerfile instruction {ins.name} is not supported by the bwrap backend; "
+                    "use --backend podman"
                 )
-            if recipe.base and is_known_base(image) != is_known_base(recipe.base):
+            else:
+                raise TaskFormatError(f"{where}: unknown Dockerfile instruction {ins.name!r}")
+        if not rec.base:
+            raise TaskFormatError(f"{self.path}: no FROM instruction")
+        rec.steps = self.done_steps + rec.steps
+        if self.stages.used or self.n_written:
+            # Scratch files of the replay (stashed stages, heredoc scripts) are not part of the image.
+            rec.steps.append(
+                Step("run", (f"rm -rf {STAGE_STASH} /tmp/tmax-heredoc-* /tmp/tmax-add-*",), 0, "end of build")
+            )
+        return rec
+
+    def _from(self, ins: Instruction, where: str, scope: dict) -> None:
+        from tmax_jax.sandbox.rootfs import is_known_base
+
+        rec, stages = self.rec, self.stages
+        words = [w for w in ins.rest.split() if not w.startswith("--")]
+        if not words:
+            raise TaskFormatError(f"{where}: FROM needs an image name")
+        image = _subst(words[0], self.global_args)
+        alias = words[2].lower() if len(words) >= 3 and words[1].lower() == "as" else None
+        if rec.base and image.lower() in stages.current_names:
+            # FROM <the stage just finished>: the same filesystem and variables carry on.
+            if alias:
+                stages.current_names.append(alias)
+                stages.names[alias] = stages.count
+            return
+        if rec.base:
+            if image.lower() in stages.names:
                 raise TaskFormatError(
-                    f"{where}: build stages on different bases ({recipe.base}, {image}) are not supported "
+                    f"{where}: FROM {image} (an earlier, not the previous, build stage) is not supported "
                     "by the bwrap backend"
                 )
-            recipe.base = image
-            stages.current_names = [str(stages.count)] + ([alias] if alias else [])
-            for name in stages.current_names:
-                stages.names[name] = stages.count
-        elif inst == "ARG":
-            for k, v in _parse_args(rest, where).items():
-                value = build_args.get(k, _subst(v, scope) if v is not None else None)
-                if not recipe.base:
-                    global_args[k] = value or ""
-                elif value is None and k in global_args:
-                    stage.args[k] = global_args[k]  # `ARG X` in a stage takes the global default
-                elif value is not None:
-                    stage.args[k] = value
-        elif not recipe.base:
-            raise TaskFormatError(f"{where}: {inst} before FROM")
-        elif inst == "RUN":
-            while m := re.match(r"(--\S+)\s*", rest):
-                if not _HARMLESS_RUN_FLAGS.match(m.group(1)):
-                    raise TaskFormatError(
-                        f"{where}: RUN flag {m.group(1)} is not supported by the bwrap backend"
-                    )
-                rest = rest[m.end() :]
-            if ins.heredocs and _HEREDOC.fullmatch(rest):
-                delim, _, body = ins.heredocs[0]
-                if body.startswith("#!"):
-                    # A script with its own interpreter runs as a file, as BuildKit runs it.
-                    n_written += 1
-                    f = f"/tmp/tmax-heredoc-{n_written}"
-                    cmd = stage.run_line(None, [f])
-                    blob = base64.b64encode(body.encode()).decode()
-                    script = f"printf %s {blob} | base64 -d > {f} && chmod 0755 {f} && ({cmd})"
-                    recipe.steps.append(Step("run", (script,), lineno, line))
-                    continue
-                cmd = stage.run_line(body)
-            elif ins.heredocs:
-                # `RUN python3 <<EOF`: the shell's own here-document, given back its body lines.
-                docs = "".join(f"\n{body}{delim}" for delim, _, body in ins.heredocs)
-                cmd = stage.run_line(rest + docs)
-            elif rest.startswith("["):
-                cmd = stage.run_line(None, _json_or_words(rest))
-            else:
-                cmd = stage.run_line(rest)
-            recipe.steps.append(Step("run", (cmd,), lineno, line))
-        elif inst in ("COPY", "ADD"):
-            n_written = _copy(recipe, ins, inst, rest, scope, stage, where, n_written, stages)
-        elif inst == "WORKDIR":
-            recipe.steps.append(Step("workdir", (_subst(rest, scope),), lineno, line))
-        elif inst == "ENV":
-            for k, v in _parse_env(_protect_literal_dollars(rest), where).items():
-                env[k] = _subst(v, {**stage.args, **env}).replace(_LITERAL_DOLLAR, "$")
-                stage.args.pop(k, None)  # an ENV of the same name hides the ARG
-                if k == "HOME":
-                    stage.explicit_home = True
-                recipe.steps.append(Step("env", (k, env[k]), lineno, line))
-        elif inst == "SHELL":
-            try:
-                shell = json.loads(rest)
-            except ValueError:
-                shell = None
-            if not (isinstance(shell, list) and shell and all(isinstance(x, str) for x in shell)):
-                raise TaskFormatError(f'{where}: SHELL needs the JSON form, e.g. SHELL ["/bin/bash", "-c"]')
-            stage.shell = tuple(shell)
-        elif inst == "USER":
-            user = _subst(rest, scope).strip()
-            if not user or len(user.split()) != 1:
-                raise TaskFormatError(f"{where}: USER needs one user[:group], got {rest!r}")
-            stage.user = recipe.user = user
-        elif inst in IGNORED:
-            recipe.ignored.append(line)
-        elif inst in UNSUPPORTED:
+            if stages.needed():
+                self.done_steps += stages.isolate(rec.steps, stages.count)
+            stages.count += 1
+            rec.steps = []
+            self.env = dict(self.base_env)
+            self.stage = _Stage()
+            rec.user = "root"
+        if stages.count and rec.base and not is_known_base(image) and not Path(image).is_dir():
             raise TaskFormatError(
-                f"{where}: Dockerfile instruction {inst} is not supported by the bwrap backend; use --backend podman"
+                f"{where}: build stage base {image} has no local rootfs for the bwrap backend"
             )
+        if rec.base and is_known_base(image) != is_known_base(rec.base):
+            raise TaskFormatError(
+                f"{where}: build stages on different bases ({rec.base}, {image}) are not supported "
+                "by the bwrap backend"
+            )
+        rec.base = image
+        stages.current_names = [str(stages.count)] + ([alias] if alias else [])
+        for name in stages.current_names:
+            stages.names[name] = stages.count
+
+    def _arg(self, ins: Instruction, where: str, scope: dict) -> None:
+        for k, v in _parse_args(ins.rest, where).items():
+            value = self.build_args.get(k, _subst(v, scope) if v is not None else None)
+            if not self.rec.base:
+                self.global_args[k] = value or ""
+            elif value is None and k in self.global_args:
+                self.stage.args[k] = self.global_args[k]  # `ARG X` in a stage takes the global default
+            elif value is not None:
+                self.stage.args[k] = value
+
+    def _run(self, ins: Instruction, where: str, scope: dict) -> None:
+        rest, stage = ins.rest, self.stage
+        while m := re.match(r"(--\S+)\s*", rest):
+            if not _HARMLESS_RUN_FLAGS.match(m.group(1)):
+                raise TaskFormatError(f"{where}: RUN flag {m.group(1)} is not supported by the bwrap backend")
+            rest = rest[m.end() :]
+        if ins.heredocs and _HEREDOC.fullmatch(rest):
+            delim, _, body = ins.heredocs[0]
+            if body.startswith("#!"):
+                # A script with its own interpreter runs as a file, as BuildKit runs it.
+                self.n_written += 1
+                f = f"/tmp/tmax-heredoc-{self.n_written}"
+                cmd = stage.run_line(None, [f])
+                blob = base64.b64encode(body.encode()).decode()
+                script = f"printf %s {blob} | base64 -d > {f} && chmod 0755 {f} && ({cmd})"
+                self.rec.steps.append(Step("run", (script,), ins.line, ins.source))
+                return
+            cmd = stage.run_line(body)
+        elif ins.heredocs:
+            # `RUN python3 <<EOF`: the shell's own here-document, given back its body lines.
+            docs = "".join(f"\n{body}{delim}" for delim, _, body in ins.heredocs)
+            cmd = stage.run_line(rest + docs)
+        elif rest.startswith("["):
+            cmd = stage.run_line(None, _json_or_words(rest))
         else:
-            raise TaskFormatError(f"{where}: unknown Dockerfile instruction {inst!r}")
-    if not recipe.base:
-        raise TaskFormatError(f"{path}: no FROM instruction")
-    recipe.steps = done_steps + recipe.steps
-    if stages.used or n_written:
-        # Scratch files of the replay (stashed stages, heredoc scripts) are not part of the image.
-        recipe.steps.append(
-            Step("run", (f"rm -rf {STAGE_STASH} /tmp/tmax-heredoc-* /tmp/tmax-add-*",), 0, "end of build")
+            cmd = stage.run_line(rest)
+        self.rec.steps.append(Step("run", (cmd,), ins.line, ins.source))
+
+    def _copy(self, ins: Instruction, where: str, scope: dict) -> None:
+        self.n_written = _copy(
+            self.rec, ins, ins.name, ins.rest, scope, self.stage, where, self.n_written, self.stages
         )
-    return recipe
+
+    def _workdir(self, ins: Instruction, where: str, scope: dict) -> None:
+        self.rec.steps.append(Step("workdir", (_subst(ins.rest, scope),), ins.line, ins.source))
+
+    def _env(self, ins: Instruction, where: str, scope: dict) -> None:
+        for k, v in _parse_env(_protect_literal_dollars(ins.rest), where).items():
+            self.env[k] = _subst(v, {**self.stage.args, **self.env}).replace(_LITERAL_DOLLAR, "$")
+            self.stage.args.pop(k, None)  # an ENV of the same name hides the ARG
+            if k == "HOME":
+                self.stage.explicit_home = True
+            self.rec.steps.append(Step("env", (k, self.env[k]), ins.line, ins.source))
+
+    def _shell(self, ins: Instruction, where: str, scope: dict) -> None:
+        try:
+            shell = json.loads(ins.rest)
+        except ValueError:
+            shell = None
+        if not (isinstance(shell, list) and shell and all(isinstance(x, str) for x in shell)):
+            raise TaskFormatError(f'{where}: SHELL needs the JSON form, e.g. SHELL ["/bin/bash", "-c"]')
+        self.stage.shell = tuple(shell)
+
+    def _user(self, ins: Instruction, where: str, scope: dict) -> None:
+        user = _subst(ins.rest, scope).strip()
+        if not user or len(user.split()) != 1:
+            raise TaskFormatError(f"{where}: USER needs one user[:group], got {ins.rest!r}")
+        self.stage.user = self.rec.user = user
 
 
 def _copy(
