@@ -77,3 +77,25 @@ def test_unsubmitted_episode_scores_zero_when_submit_is_required(tmp_path):
     assert result.agent_output.num_turns == 4  # two commands, then (no submit) two more replies
     assert out[False, False] == (1.0, True, "max_turns")
     assert out[False, True] == (0.0, False, "max_turns")
+
+
+def test_data_families_need_their_own_command(tmp_path):
+    """Each data-file family's oracle scores 1, a no-op 0, and every other family's command 0: a
+    policy that ignores which one the instruction asks for cannot score on all of them."""
+    from tmax_jax.train.demo_tasks import DATA_FAMILIES, HELDOUT_NAMES
+
+    assert set(DATA_FAMILIES) >= {"largest_number", "count_errors", "column_sum"}
+    for name, fam in DATA_FAMILIES.items():
+        task = load_task(fam.write(tmp_path / name, 5, heldout=True))
+        assert any(f"/{n}.{fam.suffix}" in task.instruction for n in HELDOUT_NAMES)
+        assert run_task(task, "oracle").reward == 1.0, name
+        assert run_task(task, None).reward == 0.0, name
+        for other in DATA_FAMILIES.values():
+            if other.name == name:
+                continue
+
+            def theirs(task, shell, cmds=other.solution):
+                for c in cmds:
+                    shell.run(c)
+
+            assert run_task(task, theirs).reward == 0.0, (name, other.name)

@@ -15,14 +15,7 @@ from tmax_jax.tasks import load_task
 from tmax_jax.tasks.loader import find_tasks
 from tmax_jax.tasks.model import Task
 from tmax_jax.train.config import TrainConfig
-from tmax_jax.train.demo_tasks import (
-    DEMO_FAMILIES,
-    LARGEST_SOLUTION,
-    TRAIN_NAMES,
-    WORDS,
-    largest_instruction,
-    write_demo_task,
-)
+from tmax_jax.train.demo_tasks import DATA_FAMILIES, DEMO_FAMILIES, TRAIN_NAMES, WORDS, write_demo_task
 
 # Fields that may change when a run is resumed (extending a run, moving it, or new hosts after a
 # preemption); ``plan`` only describes the hardware ``tmax-jax plan`` checks against.
@@ -68,9 +61,14 @@ def _tokenizer_corpus(cfg: TrainConfig) -> list[str]:
 
     demo = [f"Write the word {w} into the file /app/answer.txt." for w in WORDS]
     demo += [render_tool_call(f"echo {w} > /app/answer.txt") for w in WORDS]
-    # largest_number: the training names only (held-out names are split into known pieces).
-    demo += [largest_instruction(n, c) for n in TRAIN_NAMES for c in (3, 6, 9)]
-    demo += [render_tool_call(c) for c in LARGEST_SOLUTION]
+    # The data-file families: the training names only (held-out names are split into known pieces).
+    # largest_number always (the corpus the demo's tokenizer was first trained on), the others when
+    # the run uses them.
+    families = cfg.tasks.family_weights() if cfg.tasks.families else {}
+    for name, fam in DATA_FAMILIES.items():
+        if name == "largest_number" or name in families:
+            demo += [fam.instruction(n, c) for n in TRAIN_NAMES for c in (3, 6, 9)]
+            demo += [render_tool_call(c) for c in fam.solution]
     demo += [
         render_tool_call(f"echo {SUBMIT_MARKER}"),
         cfg.agent.system_prompt,
