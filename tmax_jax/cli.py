@@ -29,6 +29,7 @@ COMMAND_MODULES: list[str] = [
     "init_tiny",
     "generate",
     "fit_mtp",
+    "study",
 ]
 
 
