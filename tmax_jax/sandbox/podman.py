@@ -375,7 +375,7 @@ class PodmanSandbox(Sandbox):
                 raise
             try:
                 before = (
-                    podman_toolchain.scan(upper, lowers)
+                    podman_toolchain.scan(upper, lowers, tests)
                     or podman_toolchain.shadow_scan(upper)
                     or self._link_scan(merged, upper)
                 )
@@ -390,7 +390,7 @@ class PodmanSandbox(Sandbox):
                 before
                 or during[0]
                 or during[1]
-                or podman_toolchain.scan(upper, lowers)
+                or podman_toolchain.scan(upper, lowers, tests)
                 or podman_toolchain.shadow_scan(upper)
                 or self._link_scan(merged, upper)
             )
