@@ -6,7 +6,7 @@ pytest and its plugins, ``.pth``/``sitecustomize`` start-up code, the dynamic lo
 a command earlier on the verifier's fixed PATH, a ``/conftest.py`` or ``/pytest.ini`` above
 ``/tests``. Every change the agent makes lands in the overlay's upper dir, read here on the host:
 
-- ``scan(upper, lowers)``: the toolchain changes the upper dir holds now. A changed or deleted image
+- ``scan(upper, lowers, tests)``: the toolchain changes the upper dir holds now. A changed or deleted image
   file cannot be undone from inside (copy-up and whiteouts stay), so a scan after the verifier sees
   whatever was done before or during it, except a file that is new, planted and removed again.
 - ``Watch``: inotify over the toolchain dirs of the upper dir while the verifier runs; any change
@@ -21,18 +21,18 @@ files, Python) comes from the image as built; the agent's files are data at thei
   ``/etc/profile``, ``/etc/localtime``, ``/usr/lib/locale``, a lib dir's ``gconv/``, ...) changed,
   added or removed (a file copied up unchanged is no change); a new ``libnss_*`` module (glibc loads
   any module ``nsswitch.conf`` names, the image's own config included, by name from the lib dirs);
-- a new command on the verifier's PATH that a shell script of the tests names where it runs or looks
-  for a command (``harness_commands``: ``command -v pytest-3 && pytest-3``), or whose name is a
-  harness's (``pytest*``, ``python*``, ``bash``, ...): it could stand in for what the tests meant to
-  run. A command the tests should run from the agent is called by its absolute path in test.sh, or
-  from the test files.
+- a new command on the verifier's PATH that a shell script of the tests looks for or installs
+  (``harness_commands``: ``command -v pytest-3 && pytest-3``, ``apt-get install -y curl``), or whose
+  name is a harness's (``pytest*``, ``python*``, ``bash``, ...): it would come before what the tests
+  meant to run.
 
-What is allowed: new commands that shadow nothing and that the tests' scripts do not name, new Python
-packages that are not pytest, its dependencies or start-up hooks, new libraries other than NSS modules
-(the loader only finds them through its configuration, which is protected), configuration of the
-system's services (``/etc/hosts``, ``/etc/nginx``, ``/etc/cron.d``, new ``/etc/pam.d`` services,
-new ``/etc/alternatives``), anything outside these dirs. A verifier that itself writes into these
-dirs (a ``pip install`` into the system site-packages) is reported too: tests install into ``/tests``.
+What is allowed: new commands that shadow nothing and that the tests do not look for (a tool the
+task asked for, which the tests run), new Python packages that are not pytest, its dependencies or
+start-up hooks, new libraries other than NSS modules (the loader only finds them through its
+configuration, which is protected), configuration of the system's services (``/etc/hosts``,
+``/etc/nginx``, ``/etc/cron.d``, new ``/etc/pam.d`` services, new ``/etc/alternatives``), anything
+outside these dirs. A verifier that itself writes into these dirs (a ``pip install`` into the
+system site-packages) is reported too: tests install into ``/tests``.
 """
 
 from __future__ import annotations
@@ -219,57 +219,59 @@ _HARNESS_NAMES = re.compile(
 )
 
 
-# Shell words after which the next word is (again) a command name: control words and options that
-# name one (``command -v``, ``bash -c``), and prefix commands (themselves run from PATH) and the
-# ways a script looks a command up.
-_SH_KEYWORDS = frozenset("if then else elif do while until time ! -v -V -c".split())
-_CMD_PREFIX = frozenset(
-    "exec command builtin nohup sudo env nice stdbuf eval which type hash xargs timeout setsid unbuffer".split()
-)
-_SH_TOKEN = re.compile(r"\$\(|[;&|(){}`\n]|[^\s;&|(){}`'\"<>]+")
+# How a shell script looks for a command before it picks one (``command -v pytest-3``), and how it
+# installs one (``apt-get install -y curl``, ``pip install pytest``).
+_LOOKUPS = frozenset({"which", "type", "hash", "-v", "-V"})
+_SH_TOKEN = re.compile(r"[;&|(){}`\n]|[^\s;&|(){}`'\"<>]+")
 _CMD_NAME = re.compile(r"[A-Za-z0-9_][\w.+-]*")
+_PATH_TEST = re.compile(r"-[xfe]")
 
 
-def _script_commands(text: str) -> set[str]:
-    """The names a shell script runs or looks up through PATH (an over-approximation: the first
-    word of each simple command, after assignments and prefix commands, the word after ``-c``, and
-    assignment values that are names, as in ``run=pytest-3; $run``; quotes are ignored, so a
-    ``bash -c "pytest-3 ..."`` is read too). A word with a ``/`` is a path, not a PATH lookup."""
+def _looked_for(text: str) -> set[str]:
+    """The command names a shell script looks for or installs: the word after ``command -v``,
+    ``which``, ``type`` or ``hash``, the file name of a PATH dir's path it tests with ``-x``/``-f``/
+    ``-e``, the words of a ``for ... in`` list (``for c in pytest-3 pytest; do command -v $c``), and
+    the names after ``install`` (a package of that name installs a command of that name, later on
+    PATH than ``/usr/local/bin``). Quotes are ignored; an over-approximation."""
     out: set[str] = set()
-    want = True
     for line in text.splitlines():
         line = re.sub(r"(^|\s)#.*", "", line)
-        for tok in _SH_TOKEN.findall(line + "\n"):
-            if tok in ("$(", "`", ";", "&", "|", "(", ")", "{", "}", "\n"):
-                want = True
+        toks = _SH_TOKEN.findall(line)
+        mode = None  # 'lookup': the next name; 'list': names up to a separator; 'install': likewise
+        for i, tok in enumerate(toks):
+            if len(tok) == 1 and tok in ";&|(){}`":
+                mode = None
                 continue
-            name, eq, value = tok.partition("=")
-            if want and eq and re.fullmatch(r"[A-Za-z_]\w*", name):
-                if _CMD_NAME.fullmatch(value):
-                    out.add(value)
+            if tok in _LOOKUPS and (tok[0] != "-" or (i and toks[i - 1] == "command")):
+                mode = "lookup"
                 continue
-            if want and tok in _CMD_PREFIX:
-                out.add(tok)
-            if (
-                tok in _SH_KEYWORDS
-                or tok in _CMD_PREFIX
-                or (want and re.fullmatch(r"-.*|[\d.]+[smhd]?", tok))
-            ):
-                want = True  # (an option or a duration of a prefix command: ``timeout -k 5 60 cmd``)
+            if tok == "in" and i >= 2 and toks[i - 2] == "for":
+                mode = "list"
                 continue
-            if want and _CMD_NAME.fullmatch(tok):
-                out.add(tok)
-            want = False
+            if tok == "install":
+                mode = "install"
+                continue
+            if _PATH_TEST.fullmatch(tok) and i + 1 < len(toks) and _path_dir_of(toks[i + 1].lstrip("/")):
+                out.add(toks[i + 1].rsplit("/", 1)[1])
+                continue
+            if mode is None or tok.startswith("-"):
+                continue
+            name = re.split(r"[=<>~!\[@]", tok, maxsplit=1)[0]  # pytest==8.4, pkg[extra]
+            if _CMD_NAME.fullmatch(name):
+                out.add(name)
+            if mode == "lookup":
+                mode = None
     return out
 
 
 def harness_commands(
     tests: str | os.PathLike, max_files: int = 200, max_bytes: int = 1 << 20
 ) -> frozenset[str]:
-    """The command names the tests' shell scripts (``*.sh``, or a ``#!`` naming a shell) run or look
-    for: a new command on the verifier's PATH by one of these names could stand in for what the
-    tests meant to run (``command -v pytest-3 && pytest-3``; a ``curl`` or ``uv`` that test.sh
-    would otherwise install)."""
+    """The command names the tests' shell scripts (``*.sh``, or a ``#!`` naming a shell) look for or
+    install (``_looked_for``): a new command on the verifier's PATH by one of these names would come
+    before what the tests meant to run (``command -v pytest-3 && pytest-3 || python3 -m pytest``;
+    a ``curl`` that test.sh installs into /usr/bin). A new command the tests just run is the
+    agent's (a tool the task asked for), as under Docker."""
     out: set[str] = set()
     seen = 0
     for root, dirs, files in os.walk(tests):
@@ -283,7 +285,7 @@ def harness_commands(
             seen += 1
             if seen > max_files:
                 return frozenset(out)
-            out |= _script_commands(data.decode("utf-8", "replace"))
+            out |= _looked_for(data.decode("utf-8", "replace"))
     return frozenset(out)
 
 
