@@ -227,6 +227,7 @@ CONFIG_CHANGES = [
     "usr/share/zoneinfo/UTC",
     "usr/lib/locale/locale-archive",
     "usr/share/misc/magic.mgc",
+    "usr/share/locale/C.UTF-8/LC_MESSAGES/coreutils.mo",  # gettext reads it under LANG=C.UTF-8
     "usr/lib/x86_64-linux-gnu/libnss_tmaxevil.so.2",
     "usr/lib/x86_64-linux-gnu/gconv/gconv-modules.d/evil.conf",
     "usr/lib/x86_64-linux-gnu/security/pam_evil.so",
@@ -249,6 +250,7 @@ ALLOWED_CHANGES = {
     "etc/nsswitch.conf": "passwd: files\n",  # copied up, same bytes
     "usr/lib/x86_64-linux-gnu/libpq.so.5": "elf",
     "usr/local/bin/mytool": "#!/bin/sh\n",
+    "usr/share/locale/de/LC_MESSAGES/mytool.mo": "catalog",
     "usr/local/bin/tmax-tool": "#!/bin/sh\n",  # a tool the task asked for, which the tests run
 }
 

@@ -95,7 +95,8 @@ _LIB_DIR = re.compile(r"(?:usr/)?lib(?:64)?(?:/[^/]+-linux-gnu[^/]*)?|usr/local/
 # Configuration (and the modules it names) that the verifier's processes load or interpret at
 # start-up: the dynamic loader's, Python's, NSS (a bash with no SHELL looks its user up), PAM, the
 # shells' start-up files, readline's, OpenSSL's (``openssl.cnf`` can load a provider), gconv
-# (``iconv`` loads the modules its config names), locale and time-zone data, ``file``'s magic,
+# (``iconv`` loads the modules its config names), locale and time-zone data (and the message
+# catalogs of the C locales, which gettext reads under the verifier's C.UTF-8), ``file``'s magic,
 # MIME types (Python's ``mimetypes``), git's system config (``core.fsmonitor`` runs a command).
 # Any entry at or below one of these, new, changed or removed, is a change of the verifier's tools.
 CONFIG = re.compile(
@@ -104,10 +105,13 @@ CONFIG = re.compile(
     r"|magic|magic\.mime|ssl/openssl\.cnf|localtime|timezone|locale\.gen|locale\.conf|locale\.alias"
     r"|default/locale|mime\.types|gitconfig)"
     r"|usr/lib/locale|usr/share/zoneinfo|usr/share/misc/magic[^/]*|usr/share/file|usr/lib/file|usr/lib/ssl"
+    r"|usr/share/locale(?:-langpack)?/(?:C|C\.[^/]*|POSIX|locale\.alias)"
     r"|(?:usr/)?lib(?:64)?(?:/[^/]+-linux-gnu[^/]*)?/(?:gconv|security|ossl-modules|engines-\d+))(?:/|$)"
 )
 # Dirs on the way to ``CONFIG`` entries (beside ``SPINE`` and the lib dirs): replacing one hides them.
-_CONFIG_SPINE = frozenset({"etc/default", "etc/ssl", "usr/share", "usr/share/misc"})
+_CONFIG_SPINE = frozenset(
+    {"etc/default", "etc/ssl", "usr/share", "usr/share/misc", "usr/share/locale", "usr/share/locale-langpack"}
+)
 # Dirs whose image entries are the verifier's (a PAM service of the image's programs, the target of
 # an image command's ``/etc/alternatives`` link), while new entries configure what the agent added.
 _IMAGE_ENTRIES = re.compile(r"^etc/(?:pam\.d|alternatives)(?:/|$)")
