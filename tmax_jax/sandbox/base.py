@@ -35,9 +35,11 @@ VERIFIER_PATH = BASE_PATH
 # The verifier's Python puts no agent-writable directory before the standard library and
 # site-packages: PYTHONSAFEPATH keeps the working / script directory off sys.path, and a
 # ``usercustomize`` under /tests (the verifier's own mount; see ``write_verifier_python``) adds a
-# finder that searches it after every other place instead. ``python3 -m pkg`` from /app and a
-# script's sibling modules still import, as under Docker, but a ``pytest.py`` or ``json.py`` that a
-# process the agent left plants in /app while the tests run cannot stand in for the real one, and a
+# finder that searches it after every other place instead, for the tests' and the agent's own
+# imports only (never one the standard library or site-packages makes, as ``copy`` probing ``org``).
+# ``python3 -m pkg`` from /app and a script's sibling modules still import, as under Docker, but a
+# ``pytest.py`` or ``json.py`` that a process the agent left plants in /app while the tests run, or
+# an ``org/`` there, cannot stand in for the real one or run as the verifier's tools load, and a
 # ``*.dist-info`` there registers no pytest plugin (metadata is listed from sys.path only). The user
 # base is that dir, so no user site of the agent's (``~/.local``) is read.
 VERIFIER_PYTHON_DIR = "/tests/.tmax-verifier-python"
@@ -73,6 +75,13 @@ _USERCUSTOMIZE = """\
 # working directory for -m / -c, else the script's) is searched last, after the standard library
 # and site-packages, and for modules only: it is not on sys.path, so package metadata there (a
 # *.dist-info whose entry points name a pytest plugin) is never listed.
+#
+# It serves only what the tests' own code asks for by name: the module ``python3 -m`` runs, a test's
+# ``import solution``, what those modules import in turn, a name that ``unittest`` was given. Never
+# a name of the standard library, nor an import the standard library or site-packages makes of its
+# own accord: those are optional dependencies probed in a try block (``copy`` asks for
+# ``org.python.core``, urllib3 for ``brotli``), and a module of the agent's by such a name would run
+# as the verifier before any test.
 import importlib.machinery as _machinery
 import os as _os
 import sys as _sys
@@ -85,7 +94,45 @@ class _TmaxLastDir:
     def find_spec(cls, name, path=None, target=None):
         if path is not None:  # a submodule: its package's __path__ is searched by the usual finder
             return None
+        if name in getattr(_sys, "stdlib_module_names", ()) or not cls.asked_by_tests(name):
+            return None
         return _machinery.PathFinder.find_spec(name, [cls.path])
+
+    @staticmethod
+    def module(frame):
+        return frame.f_globals.get("__name__") or ""
+
+    @classmethod
+    def asked_by_tests(cls, name):
+        \"\"\"Whether the code importing ``name`` is the tests' or the agent's, not a library's.\"\"\"
+        frame = _sys._getframe(2)
+        # importlib's frames, and pytest.importorskip's, import on behalf of their caller.
+        while frame is not None and (
+            frame.f_code.co_filename.startswith("<frozen importlib")
+            or cls.module(frame).partition(".")[0] == "importlib"
+            or cls.module(frame) == "_pytest.outcomes"
+        ):
+            frame = frame.f_back
+        if frame is None:
+            return False
+        mod = cls.module(frame)
+        if mod == "runpy":  # ``python3 -m NAME``: the module it names, nothing else
+            f = frame
+            while f is not None:
+                if f.f_code.co_name == "_run_module_as_main" and cls.module(f) == "runpy":
+                    return str(f.f_locals.get("mod_name", "")).partition(".")[0] == name
+                f = f.f_back
+            return False
+        if mod.startswith("unittest."):  # the names ``python3 -m unittest`` was given
+            return True
+        file = frame.f_code.co_filename
+        return not (file.startswith("<frozen ") or cls.library(file))
+
+    @staticmethod
+    def library(file):
+        roots = [_os.path.dirname(_os.__file__), __TMAX_PYTHON_DIR__]
+        roots += [p for p in _sys.path if _os.path.basename(p.rstrip("/")) in ("site-packages", "dist-packages")]
+        return any(file.startswith(r.rstrip("/") + "/") for r in roots if r)
 
 
 # The guard plugin (``verifier_guard``) stays importable when a test script sets its own PYTHONPATH.
@@ -182,7 +229,9 @@ def write_verifier_python(tests_copy: Path) -> dict[str, str]:
         site = base / "lib" / f"python3.{minor}" / "site-packages"
         site.mkdir(parents=True, exist_ok=True)
         (site / "usercustomize.py").write_text(
-            _USERCUSTOMIZE.replace("__TMAX_PLUGINS__", repr(VERIFIER_PLUGIN_DIR))
+            _USERCUSTOMIZE.replace("__TMAX_PLUGINS__", repr(VERIFIER_PLUGIN_DIR)).replace(
+                "__TMAX_PYTHON_DIR__", repr(VERIFIER_PYTHON_DIR)
+            )
         )
     plugins = Path(tests_copy) / Path(VERIFIER_PLUGIN_DIR).relative_to("/tests")
     plugins.mkdir(parents=True, exist_ok=True)

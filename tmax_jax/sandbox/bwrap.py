@@ -618,7 +618,7 @@ class BwrapSandbox(Sandbox):
                 lowers = self._lowers()
                 watch = podman_toolchain.Watch(self._upper).start()
                 try:
-                    before = podman_toolchain.scan(self._upper, lowers)
+                    before = podman_toolchain.scan(self._upper, lowers, tests)
                     if before:
                         result = ExecResult("", f"verifier not run: {before}\n", 1)
                     else:
@@ -633,7 +633,7 @@ class BwrapSandbox(Sandbox):
                     before
                     or during
                     or links.stop()
-                    or podman_toolchain.scan(self._upper, lowers)
+                    or podman_toolchain.scan(self._upper, lowers, tests)
                     or podman_toolchain.shadow_scan(self.state)
                     or self._link_scan(vlinks)
                 )

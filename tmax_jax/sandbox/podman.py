@@ -385,7 +385,7 @@ class PodmanSandbox(Sandbox):
                 raise
             try:
                 before = (
-                    podman_toolchain.scan(upper, lowers)
+                    podman_toolchain.scan(upper, lowers, tests)
                     or podman_toolchain.shadow_scan(upper)
                     or self._link_scan(merged, upper)
                 )
@@ -400,7 +400,7 @@ class PodmanSandbox(Sandbox):
                 before
                 or during[0]
                 or during[1]
-                or podman_toolchain.scan(upper, lowers)
+                or podman_toolchain.scan(upper, lowers, tests)
                 or podman_toolchain.shadow_scan(upper)
                 or self._link_scan(merged, upper)
             )

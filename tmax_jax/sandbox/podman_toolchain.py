@@ -6,16 +6,33 @@ pytest and its plugins, ``.pth``/``sitecustomize`` start-up code, the dynamic lo
 a command earlier on the verifier's fixed PATH, a ``/conftest.py`` or ``/pytest.ini`` above
 ``/tests``. Every change the agent makes lands in the overlay's upper dir, read here on the host:
 
-- ``scan(upper, lowers)``: the toolchain changes the upper dir holds now. A changed or deleted image
+- ``scan(upper, lowers, tests)``: the toolchain changes the upper dir holds now. A changed or deleted image
   file cannot be undone from inside (copy-up and whiteouts stay), so a scan after the verifier sees
   whatever was done before or during it, except a file that is new, planted and removed again.
 - ``Watch``: inotify over the toolchain dirs of the upper dir while the verifier runs; any change
   there (the plant-and-remove case) counts as tampering.
 
-What is allowed: new commands that shadow nothing, new Python packages that are not pytest, its
-dependencies or start-up hooks, new libraries (the loader only finds them through its configuration,
-which is protected), anything outside these dirs. A verifier that itself writes into these dirs (a
-``pip install`` into the system site-packages) is reported too: tests install into ``/tests``.
+The rule: the tests run against the agent's state with tools the agent could not change. Every
+executable, shared library and configuration the verifier's processes load or interpret (the loader,
+NSS and its modules, PAM, OpenSSL, gconv, locale and time-zone data, ``file``'s magic, shell start-up
+files, Python) comes from the image as built; the agent's files are data at their paths. So also:
+
+- configuration read at start-up (``CONFIG``: ``/etc/nsswitch.conf``, ``/etc/pam.d``, ``/etc/magic``,
+  ``/etc/profile``, ``/etc/localtime``, ``/usr/lib/locale``, a lib dir's ``gconv/``, ...) changed,
+  added or removed (a file copied up unchanged is no change); a new ``libnss_*`` module (glibc loads
+  any module ``nsswitch.conf`` names, the image's own config included, by name from the lib dirs);
+- a new command on the verifier's PATH that a shell script of the tests looks for or installs
+  (``harness_commands``: ``command -v pytest-3 && pytest-3``, ``apt-get install -y curl``), or whose
+  name is a harness's (``pytest*``, ``python*``, ``bash``, ...): it would come before what the tests
+  meant to run.
+
+What is allowed: new commands that shadow nothing and that the tests do not look for (a tool the
+task asked for, which the tests run), new Python packages that are not pytest, its dependencies or
+start-up hooks, new libraries other than NSS modules (the loader only finds them through its
+configuration, which is protected), configuration of the system's services (``/etc/hosts``,
+``/etc/nginx``, ``/etc/cron.d``, new ``/etc/pam.d`` services, new ``/etc/alternatives``), anything
+outside these dirs. A verifier that itself writes into these dirs (a ``pip install`` into the
+system site-packages) is reported too: tests install into ``/tests``.
 """
 
 from __future__ import annotations
@@ -75,7 +92,29 @@ PROTECTED_MODULES = frozenset(
 )
 _PY_TREE = re.compile(r"^(?:usr/(?:local/)?)?lib(?:64)?/python\d[^/]*")
 _LIB_DIR = re.compile(r"(?:usr/)?lib(?:64)?(?:/[^/]+-linux-gnu[^/]*)?|usr/local/lib")
-_ETC = re.compile(r"^etc/(?:ld\.so\.(?:preload|conf|cache|conf\.d)|python\d[^/]*)(?:/|$)")
+# Configuration (and the modules it names) that the verifier's processes load or interpret at
+# start-up: the dynamic loader's, Python's, NSS (a bash with no SHELL looks its user up), PAM, the
+# shells' start-up files, readline's, OpenSSL's (``openssl.cnf`` can load a provider), gconv
+# (``iconv`` loads the modules its config names), locale and time-zone data (and the message
+# catalogs of the C locales, which gettext reads under the verifier's C.UTF-8), ``file``'s magic,
+# MIME types (Python's ``mimetypes``), git's system config (``core.fsmonitor`` runs a command).
+# Any entry at or below one of these, new, changed or removed, is a change of the verifier's tools.
+CONFIG = re.compile(
+    r"^(?:etc/(?:ld\.so\.(?:preload|conf|cache|conf\.d)|python\d[^/]*|nsswitch\.conf|host\.conf|gai\.conf"
+    r"|pam\.conf|security|environment|profile|profile\.d|bash\.bashrc|bashrc|bash\.bash_logout|inputrc"
+    r"|magic|magic\.mime|ssl/openssl\.cnf|localtime|timezone|locale\.gen|locale\.conf|locale\.alias"
+    r"|default/locale|mime\.types|gitconfig)"
+    r"|usr/lib/locale|usr/share/zoneinfo|usr/share/misc/magic[^/]*|usr/share/file|usr/lib/file|usr/lib/ssl"
+    r"|usr/share/locale(?:-langpack)?/(?:C|C\.[^/]*|POSIX|locale\.alias)"
+    r"|(?:usr/)?lib(?:64)?(?:/[^/]+-linux-gnu[^/]*)?/(?:gconv|security|ossl-modules|engines-\d+))(?:/|$)"
+)
+# Dirs on the way to ``CONFIG`` entries (beside ``SPINE`` and the lib dirs): replacing one hides them.
+_CONFIG_SPINE = frozenset(
+    {"etc/default", "etc/ssl", "usr/share", "usr/share/misc", "usr/share/locale", "usr/share/locale-langpack"}
+)
+# Dirs whose image entries are the verifier's (a PAM service of the image's programs, the target of
+# an image command's ``/etc/alternatives`` link), while new entries configure what the agent added.
+_IMAGE_ENTRIES = re.compile(r"^etc/(?:pam\.d|alternatives)(?:/|$)")
 _SITE = ("site-packages", "dist-packages")
 
 
@@ -120,13 +159,36 @@ def _read_small(path: str, limit: int = 1 << 20) -> bytes:
 
 
 class _Image:
-    def __init__(self, lowers: list[str]):
+    """The image under the agent's changes (``lowers``, top first) and the command names the tests'
+    shell scripts use (``harness``, from ``harness_commands``)."""
+
+    def __init__(self, lowers: list[str], harness: frozenset[str] = frozenset()):
         self.lowers = [lo for lo in lowers if lo]
+        self.harness = harness
         self._cmds: set[str] | None = None
         self._base_cmds: set[str] | None = None
 
     def has(self, rel: str) -> bool:
         return any(os.path.lexists(os.path.join(lo, rel)) for lo in self.lowers)
+
+    def same(self, rel: str, kind: str, full: str) -> bool:
+        """Whether the upper dir's ``rel`` (at ``full``) is the image's own entry, unchanged: a
+        regular file with the same mode and bytes as the topmost image layer's (copied up by a
+        ``touch`` or a rewrite with the same content), or a link to the same target."""
+        for lo in self.lowers:
+            img = os.path.join(lo, rel)
+            try:
+                ist, st = os.lstat(img), os.lstat(full)
+            except OSError:
+                continue
+            if _entry_kind(img) == "whiteout":
+                return False
+            if kind == "symlink" and stat.S_ISLNK(ist.st_mode):
+                return os.readlink(img) == os.readlink(full)
+            if kind != "file" or not stat.S_ISREG(ist.st_mode) or ist.st_mode != st.st_mode:
+                return False
+            return ist.st_size == st.st_size <= (1 << 20) and _read_small(img) == _read_small(full)
+        return False
 
     def base_commands(self) -> set[str]:
         """The commands on the verifier's PATH in the base alone (the last, bottom lower: the rootfs
@@ -156,9 +218,79 @@ def _path_commands(lowers: list[str]) -> set[str]:
 # Commands a verifier's harness starts (test.sh's interpreter, pytest and its runners); a task's
 # build may install them into its own layer (``pip install pytest`` writes /usr/local/bin/pytest).
 _HARNESS_NAMES = re.compile(
-    r"^(python[\d.]*(-config)?|pip[\d.]*|pytest|py\.test|bash|sh|dash|env|uv|uvx|node|npm|npx|"
+    r"^(python[\w.+-]*|pip[\w.+-]*|pytest[\w.+-]*|py\.test[\w.+-]*|bash|sh|dash|env|uv|uvx|node|npm|npx|"
     r"timeout|tee|cat|echo|test|\[)$"
 )
+
+
+# How a shell script looks for a command before it picks one (``command -v pytest-3``), and how it
+# installs one (``apt-get install -y curl``, ``pip install pytest``).
+_LOOKUPS = frozenset({"which", "type", "hash", "-v", "-V"})
+_SH_TOKEN = re.compile(r"[;&|(){}`\n]|[^\s;&|(){}`'\"<>]+")
+_CMD_NAME = re.compile(r"[A-Za-z0-9_][\w.+-]*")
+_PATH_TEST = re.compile(r"-[xfe]")
+
+
+def _looked_for(text: str) -> set[str]:
+    """The command names a shell script looks for or installs: the word after ``command -v``,
+    ``which``, ``type`` or ``hash``, the file name of a PATH dir's path it tests with ``-x``/``-f``/
+    ``-e``, the words of a ``for ... in`` list (``for c in pytest-3 pytest; do command -v $c``), and
+    the names after ``install`` (a package of that name installs a command of that name, later on
+    PATH than ``/usr/local/bin``). Quotes are ignored; an over-approximation."""
+    out: set[str] = set()
+    for line in text.splitlines():
+        line = re.sub(r"(^|\s)#.*", "", line)
+        toks = _SH_TOKEN.findall(line)
+        mode = None  # 'lookup': the next name; 'list': names up to a separator; 'install': likewise
+        for i, tok in enumerate(toks):
+            if len(tok) == 1 and tok in ";&|(){}`":
+                mode = None
+                continue
+            if tok in _LOOKUPS and (tok[0] != "-" or (i and toks[i - 1] == "command")):
+                mode = "lookup"
+                continue
+            if tok == "in" and i >= 2 and toks[i - 2] == "for":
+                mode = "list"
+                continue
+            if tok == "install":
+                mode = "install"
+                continue
+            if _PATH_TEST.fullmatch(tok) and i + 1 < len(toks) and _path_dir_of(toks[i + 1].lstrip("/")):
+                out.add(toks[i + 1].rsplit("/", 1)[1])
+                continue
+            if mode is None or tok.startswith("-"):
+                continue
+            name = re.split(r"[=<>~!\[@]", tok, maxsplit=1)[0]  # pytest==8.4, pkg[extra]
+            if _CMD_NAME.fullmatch(name):
+                out.add(name)
+            if mode == "lookup":
+                mode = None
+    return out
+
+
+def harness_commands(
+    tests: str | os.PathLike, max_files: int = 200, max_bytes: int = 1 << 20
+) -> frozenset[str]:
+    """The command names the tests' shell scripts (``*.sh``, or a ``#!`` naming a shell) look for or
+    install (``_looked_for``): a new command on the verifier's PATH by one of these names would come
+    before what the tests meant to run (``command -v pytest-3 && pytest-3 || python3 -m pytest``;
+    a ``curl`` that test.sh installs into /usr/bin). A new command the tests just run is the
+    agent's (a tool the task asked for), as under Docker."""
+    out: set[str] = set()
+    seen = 0
+    for root, dirs, files in os.walk(tests):
+        dirs[:] = sorted(d for d in dirs if not os.path.islink(os.path.join(root, d)))
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            data = _read_small(path, max_bytes)
+            first = data.split(b"\n", 1)[0]
+            if not (name.endswith(".sh") or (first.startswith(b"#!") and b"sh" in first)):
+                continue
+            seen += 1
+            if seen > max_files:
+                return frozenset(out)
+            out |= _looked_for(data.decode("utf-8", "replace"))
+    return frozenset(out)
 
 
 def _harness_command(name: str, rel: str, image: _Image) -> bool:
@@ -205,7 +337,7 @@ def protected(rel: str, is_dir: bool = False) -> bool:
         return True
     if rel in SPINE or rel in PATH_DIRS or _LIB_DIR.fullmatch(rel):
         return False
-    if _path_dir_of(rel) or _PY_TREE.match(rel) or _ETC.match(rel):
+    if _path_dir_of(rel) or _PY_TREE.match(rel) or CONFIG.match(rel) or _IMAGE_ENTRIES.match(rel):
         return True
     parent = rel.rsplit("/", 1)[0] if "/" in rel else ""
     return not is_dir and bool(_LIB_DIR.fullmatch(parent))
@@ -215,17 +347,28 @@ def _toolchain_dir(rel: str) -> bool:
     """A dir of the toolchain itself: if it appears in the upper dir, something is being written there."""
     if rel in SPINE:
         return False
-    return bool(rel in PATH_DIRS or _PY_TREE.match(rel) or _ETC.match(rel) or _LIB_DIR.fullmatch(rel))
+    return bool(
+        rel in PATH_DIRS
+        or _PY_TREE.match(rel)
+        or CONFIG.match(rel)
+        or _IMAGE_ENTRIES.match(rel)
+        or _LIB_DIR.fullmatch(rel)
+    )
 
 
 def _static_reason(rel: str, kind: str, full: str, image: _Image) -> str | None:
     where = "/" + rel
     if rel in ROOT_CONFIGS:
         return f"{where} was written (pytest reads it above /tests)"
-    if _ETC.match(rel):
-        return f"{where} was changed (dynamic loader or Python start-up configuration)"
+    if CONFIG.match(rel):
+        if kind == "dir" or image.same(rel, kind, full):
+            return None
+        return f"{where} was changed (configuration or modules the verifier's tools load at start-up)"
+    if _IMAGE_ENTRIES.match(rel):
+        return _image_entry_reason(rel, kind, full, image)
     dir_like = (
         rel in SPINE
+        or rel in _CONFIG_SPINE
         or rel in PATH_DIRS
         or _LIB_DIR.fullmatch(rel) is not None
         or _PY_TREE.fullmatch(rel) is not None
@@ -247,6 +390,8 @@ def _static_reason(rel: str, kind: str, full: str, image: _Image) -> str | None:
             return None
         if kind != "whiteout" and name in image.commands():
             return f"{where} shadows the image's {name!r} on the verifier's PATH"
+        if kind != "whiteout" and (name in image.harness or _HARNESS_NAMES.match(name)):
+            return f"{where} is a new command the verifier's harness may run in place of its own ({name!r})"
         if name == "pyvenv.cfg" or name.endswith("._pth"):
             return f"{where} redirects the Python interpreter's prefix"
         return None
@@ -275,19 +420,42 @@ def _static_reason(rel: str, kind: str, full: str, image: _Image) -> str | None:
         parent = rel.rsplit("/", 1)[0]
         if _LIB_DIR.fullmatch(parent) and (kind == "whiteout" or image.has(rel)):
             return f"{where} (a library of the image) was {'removed' if kind == 'whiteout' else 'changed'}"
+        if _LIB_DIR.fullmatch(parent) and rel.rsplit("/", 1)[1].startswith("libnss_"):
+            return f"{where} is a new NSS module (glibc loads the modules nsswitch.conf names by name)"
+    return None
+
+
+def _image_entry_reason(rel: str, kind: str, full: str, image: _Image) -> str | None:
+    """``/etc/pam.d`` and ``/etc/alternatives``: an image entry changed or removed, the dir itself
+    replaced, or a new PAM service that the image's programs would open (``other``, the
+    ``common-*`` files the image's services include, or a command of the image)."""
+    where = "/" + rel
+    parts = rel.split("/")
+    if len(parts) == 2:
+        if kind == "dir":
+            return None
+        return f"{where} was replaced, renamed or removed ({kind})"
+    if image.has(rel):
+        if kind == "dir" or image.same(rel, kind, full):
+            return None
+        return f"{where} (configuration of the image's programs) was {'removed' if kind == 'whiteout' else 'changed'}"
+    name = parts[2]
+    if parts[1] == "pam.d" and (name == "other" or name.startswith("common-") or name in image.commands()):
+        return f"{where} is a new PAM configuration that the image's programs would read"
     return None
 
 
 def _descend(rel: str) -> bool:
-    if rel == "" or rel in SPINE or rel in PATH_DIRS or _PY_TREE.match(rel) or _ETC.match(rel):
+    if rel == "" or rel in SPINE or rel in PATH_DIRS or _PY_TREE.match(rel) or CONFIG.match(rel):
         return True
-    return _LIB_DIR.fullmatch(rel) is not None
+    return rel in _CONFIG_SPINE or bool(_IMAGE_ENTRIES.match(rel)) or _LIB_DIR.fullmatch(rel) is not None
 
 
-def scan(upper: str | os.PathLike, lowers: list[str]) -> str | None:
-    """The first toolchain change found in the upper dir ``upper`` (None: none)."""
+def scan(upper: str | os.PathLike, lowers: list[str], tests: str | os.PathLike | None = None) -> str | None:
+    """The first toolchain change found in the upper dir ``upper`` (None: none). ``tests``: the
+    verifier's copy of the tests, whose shell scripts name the commands its harness runs."""
     upper = str(upper)
-    image = _Image(lowers)
+    image = _Image(lowers, harness_commands(tests) if tests is not None else frozenset())
     todo = [""]
     while todo:
         rel = todo.pop()
