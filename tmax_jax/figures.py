@@ -57,6 +57,7 @@ def learning_curve_figure(
             lw=1.4,
             alpha=0.85,
             marker="." if len(train) <= 80 else None,
+            zorder=4,  # thin, over the thick held-out line: both stay visible where they coincide
             label="train pass rate (each step's rollouts)",
         )
     if heldout:
@@ -146,7 +147,7 @@ def bar_chart_figure(
             bars,
             labels=["n/a" if v is None else value_format.format(v) for v in vals],
             padding=3,
-            fontsize=8,
+            fontsize=9,
             color="#333",
         )
     ax.set_yticks(range(len(labels)), wrapped)

@@ -62,7 +62,8 @@ def _page(title: str, body: str) -> str:
         "  text-align: left; white-space: nowrap; }\n"
         "table.tasks td:last-child, table.tasks th:last-child {\n"
         "  text-align: left; min-width: 16em; max-width: 40em; overflow-wrap: anywhere; }\n"
-        ".chart svg { max-width: 100%; height: auto; }\n"
+        ".chart svg, img.curve { max-width: 100%; height: auto; }\n"
+        "img.curve { width: 800px; }\n"
         f"</style></head><body>\n{body}</body></html>\n"
     )
 
@@ -174,7 +175,7 @@ def render_before_after_html(summary: Mapping[str, Any]) -> str:
 <p>{escape(str(summary.get("run_dir", "")))}: {summary.get("steps")} RL steps; pass rate = passing episodes
 over held-out tasks x {summary.get("samples_per_task")} samples, same sampling settings before and after.</p>
 {"".join(sections)}
-<p><img src="learning_curve.png" alt="learning curve"></p>
+<p><img class="curve" src="learning_curve.png" alt="learning curve"></p>
 """
     return _page(f"tmax-jax train: {summary.get('run_dir', '')}", body)
 
