@@ -164,3 +164,13 @@ def test_wandb_offline_run_holds_the_logged_metrics_and_resumes_the_same_run(tmp
         if r.WhichOneof("record_type") == "history"
     ]
     assert steps == [3]
+
+
+def test_a_run_resumes_with_other_logging_but_not_with_another_config(tmp_path):
+    from tmax_jax.train.setup import prepare_run_dir
+
+    run_dir = str(tmp_path / "run")
+    prepare_run_dir(load_train_config(None, {"run_dir": run_dir}))
+    prepare_run_dir(load_train_config(None, {"run_dir": run_dir, "logging": {"wandb": True}}))
+    with pytest.raises(ConfigError, match="changed: seed"):
+        prepare_run_dir(load_train_config(None, {"run_dir": run_dir, "seed": 1}))
