@@ -1,11 +1,13 @@
 """Resume bookkeeping of an evaluation run and its summary numbers."""
 
 import json
+import re
+from html.parser import HTMLParser
 
 import pytest
 
 from tmax_jax.errors import ConfigError
-from tmax_jax.eval.html_report import render_html
+from tmax_jax.eval.html_report import render_before_after_html, render_html
 from tmax_jax.eval.passk import pass_at_k
 from tmax_jax.eval.results import AttemptRecord, ResultsLog, check_run_identity
 from tmax_jax.eval.summary import report_ks, summarize
@@ -92,6 +94,34 @@ def test_summary_numbers_match_a_hand_computation():
     assert rows["t5"]["status"] == "not_run" and rows["t4"]["pass_at"]["1"] is None
 
 
+def _tables(page: str) -> list[list[str]]:
+    """The header cells of each table of an HTML page, read with the standard library's parser."""
+
+    class Headers(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.tables, self._in_th = [], False
+
+        def handle_starttag(self, tag, attrs):
+            if tag == "table":
+                self.tables.append([])
+            if tag == "th":
+                self.tables[-1].append("")
+                self._in_th = True
+
+        def handle_endtag(self, tag):
+            if tag == "th":
+                self._in_th = False
+
+        def handle_data(self, data):
+            if self._in_th:
+                self.tables[-1][-1] += data
+
+    parser = Headers()
+    parser.feed(page)
+    return parser.tables
+
+
 def test_html_report_has_tables_charts_and_escapes():
     recs = _records() + [AttemptRecord("<script>", 0, "passed", reward=1.0, category="a&b")]
     tasks = {"t1": "files", "t2": "files", "t3": "net", "t4": "net", "<script>": "a&b"}
@@ -99,6 +129,67 @@ def test_html_report_has_tables_charts_and_escapes():
     assert page.count("<svg") == 2
     assert "<script>" not in page and "&lt;script&gt;" in page and "a&amp;b" in page
     assert "environment unavailable" in page and "pass@4" in page
-    # One bar per value: pass@{1,2,4} overall, then 3 categories x (pass@1, pass@4) less the a&b
-    # category's pass@4, which has one attempt only (drawn as n/a, not as a zero bar).
-    assert page.count("<rect") - page.count('width="10" height="10"') == 3 + 5
+    overall, per_category, task_table = _tables(page)
+    assert (
+        overall
+        == per_category
+        == ["", "tasks", "evaluated", "env unavailable", "invalid"]
+        + [
+            "pass@1",
+            "pass@2",
+            "pass@4",
+            "mean reward",
+            "errors",
+        ]
+    )
+    assert task_table == ["task", "category", "status", "passed", "pass@1", "pass@4", "mean reward", "note"]
+    # The per-category chart: one bar per category and pass@j, the a&b category's pass@4 drawn as
+    # n/a (one attempt only), the others with their values.
+    chart = page[page.index("<svg", page.index("<svg") + 1) : page.rindex("</svg>")]
+    assert ">pass@1</text>" in chart and ">pass@4</text>" in chart and ">n/a</text>" in chart
+    assert re.findall(r">(\d\.\d{3}|n/a)</text>", chart) == [
+        "1.000",
+        "0.250",
+        "1.000",
+        "n/a",
+        "0.500",
+        "1.000",
+    ]
+
+
+def test_html_report_at_k1_shows_pass_at_1_once():
+    page = render_html(summarize(_records(), {"t1": "files", "t3": "net"}, k=1, meta={"agent": "a"}))
+    for header in _tables(page):
+        assert header.count("pass@1") == 1, header
+    assert _tables(page)[-1] == ["task", "category", "status", "passed", "pass@1", "mean reward", "note"]
+    assert page.count(">pass@1</text>") == 0  # one series per chart: no legend to repeat it in
+    assert "pass@1 per category" in page
+
+
+def test_before_after_report_charts_every_family():
+    summary = {
+        "run_dir": "runs/x",
+        "steps": 3,
+        "samples_per_task": 2,
+        "pass_rate_before": 0.25,
+        "pass_rate_after": 0.5,
+        "heldout_tasks": 4,
+        "pass_rate_by_family": {
+            "largest_number": {"before": 0.0, "after": 0.5, "tasks": 2},
+            "write_word": {"before": 0.5, "after": None, "tasks": 2},
+        },
+        "pass_rate_by_axis": {"domain": {"text": {"before": 0.25, "after": 0.5, "tasks": 4}}},
+    }
+    page = render_before_after_html(summary)
+    assert page.count("<svg") == 1 and 'src="learning_curve.png"' in page
+    chart = page[page.index("<svg") : page.index("</svg>")]
+    for name in ("all", "largest_number", "write_word", "before", "after"):
+        assert f">{name}</text>" in chart, name
+    assert re.findall(r">(\d\.\d{3}|n/a)</text>", chart) == [
+        "0.250",
+        "0.000",
+        "0.500",
+        "0.500",
+        "0.500",
+        "n/a",
+    ]

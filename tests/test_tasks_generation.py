@@ -242,6 +242,7 @@ def test_generate_tasks_cli_both_formats(tmp_path):
 def test_corpus_stats_tables_and_plots(tmp_path):
     from PIL import Image
 
+    from tmax_jax.figures import WIDTH_IN
     from tmax_jax.tasks.stats import corpus_stats
 
     gen = ProceduralGenerator()
@@ -253,7 +254,7 @@ def test_corpus_stats_tables_and_plots(tmp_path):
     assert report["axes"]["domain"] == dict(collections.Counter(m.signature["domain"] for m in made))
     for p in report["plots"]:
         with Image.open(p) as im:
-            assert im.size[0] == 900 and im.size[1] > 50
+            assert im.size[0] == round(WIDTH_IN * 100) and im.size[1] > 50
     r = subprocess.run(
         [sys.executable, "-m", "tmax_jax", "corpus-stats", str(tmp_path / "c")],
         capture_output=True,

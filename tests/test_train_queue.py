@@ -73,7 +73,7 @@ def test_trajectory_jsonl_round_trip_and_validation(tmp_path):
 
 
 def test_metrics_jsonl_and_truncate_on_resume(tmp_path):
-    m = MetricsWriter(tmp_path, tensorboard=True)
+    m = MetricsWriter(tmp_path)  # TensorBoard on: the default
     for step in range(1, 5):
         m.write(step, {"loss": 1.0 / step, "nan": float("nan"), "name": "x"})
     m.truncate_after(2)

@@ -1,4 +1,5 @@
-"""The HTML report of an evaluation run: tables and inline SVG charts, one self-contained file."""
+"""The HTML report of an evaluation run: tables and inline SVG charts (drawn with matplotlib), one
+self-contained file."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from collections.abc import Mapping
 from html import escape
 from typing import Any
 
-from tmax_jax.eval.svg import bar_chart
+from tmax_jax.figures import bar_chart_figure, to_svg
 
 
 def _fmt(v: Any) -> str:
@@ -17,10 +18,22 @@ def _fmt(v: Any) -> str:
     return escape(str(v))
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
+def _table(header: list[str], rows: list[list[str]], cls: str = "") -> str:
     head = "".join(f"<th>{escape(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    attr = f' class="{cls}"' if cls else ""
+    return f"<table{attr}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _chart(labels: list[str], series: Mapping[str, list[float | None]], title: str) -> str:
+    """A horizontal bar chart of pass rates as an inline ``<svg>`` (ids salted by the title)."""
+    fig = bar_chart_figure(labels, series, title=title, xlabel="pass rate")
+    return f'<div class="chart">{to_svg(fig, id_salt=title)}</div>'
+
+
+def _pass_ks(k: int) -> list[int]:
+    """The pass@j columns of per-category and per-task views: pass@1 and pass@k, once each."""
+    return sorted({1, k})
 
 
 def _stats_row(name: str, s: Mapping[str, Any], ks: list[int]) -> list[str]:
@@ -45,6 +58,12 @@ def _page(title: str, body: str) -> str:
         "table { border-collapse: collapse; margin: 1em 0; }\n"
         "td, th { border: 1px solid #ccc; padding: 3px 8px; text-align: right; }\n"
         "td:first-child, th:first-child { text-align: left; }\n"
+        "table.tasks td:nth-child(-n+3), table.tasks th:nth-child(-n+3) {\n"
+        "  text-align: left; white-space: nowrap; }\n"
+        "table.tasks td:last-child, table.tasks th:last-child {\n"
+        "  text-align: left; min-width: 16em; max-width: 40em; overflow-wrap: anywhere; }\n"
+        ".chart svg, img.curve { max-width: 100%; height: auto; }\n"
+        "img.curve { width: 800px; }\n"
         f"</style></head><body>\n{body}</body></html>\n"
     )
 
@@ -74,18 +93,15 @@ def render_html(summary: Mapping[str, Any]) -> str:
     cats = summary["categories"]
     cat_names = list(cats)
     charts = [
-        bar_chart(
+        _chart(
             [f"k={j}" for j in ks],
             {"pass@k": [overall["pass_at"][str(j)] for j in ks]},
-            title="pass@k (unbiased estimator), all evaluated tasks",
+            "pass@k (unbiased estimator), all evaluated tasks",
         ),
-        bar_chart(
+        _chart(
             cat_names,
-            {
-                "pass@1": [cats[c]["pass_at"]["1"] for c in cat_names],
-                f"pass@{k}": [cats[c]["pass_at"][str(k)] for c in cat_names],
-            },
-            title="per category",
+            {f"pass@{j}": [cats[c]["pass_at"][str(j)] for c in cat_names] for j in _pass_ks(k)},
+            " and ".join(f"pass@{j}" for j in _pass_ks(k)) + " per category",
         ),
     ]
     task_rows = []
@@ -98,12 +114,13 @@ def render_html(summary: Mapping[str, Any]) -> str:
                 escape(r["category"]),
                 escape(r["status"]),
                 f"{r['passes']}/{r['attempts']}",
-                _fmt(r["pass_at"]["1"]),
-                _fmt(r["pass_at"][str(k)]),
+                *[_fmt(r["pass_at"][str(j)]) for j in _pass_ks(k)],
                 _fmt(r["mean_reward"]),
                 escape(r.get("reason", "")),
             ]
         )
+    task_header = ["task", "category", "status", "passed", *[f"pass@{j}" for j in _pass_ks(k)]]
+    task_header += ["mean reward", "note"]
     meta_items = _meta_items(summary, ("agent", "model", "harness", "tasks_dir", "started", "elapsed_s"))
     body = f"""<h1>Evaluation report</h1>
 <ul>{meta_items}</ul>
@@ -117,7 +134,7 @@ environment cannot be built offline are listed as "environment unavailable", mal
 {_table(stat_header, [_stats_row(c, cats[c], ks) for c in cat_names])}
 {charts[1]}
 <h2>Tasks</h2>
-{_table(["task", "category", "status", "passed", "pass@1", f"pass@{k}", "mean reward", "note"], task_rows)}
+{_table(task_header, task_rows, cls="tasks")}
 """
     return _page(f"tmax-jax eval: {summary.get('agent', '')}", body)
 
@@ -140,6 +157,16 @@ def render_before_after_html(summary: Mapping[str, Any]) -> str:
     fams = summary.get("pass_rate_by_family") or {}
     sections = [f"<h2>Overall</h2>{_table(header, [row('all', overall)])}"]
     sections.append(f"<h2>Per family</h2>{_table(header, [row(f, e) for f, e in fams.items()])}")
+    if fams:
+        names = ["all", *fams]
+        entries = [overall, *fams.values()]
+        sections.append(
+            _chart(
+                names,
+                {when: [e.get(when) for e in entries] for when in ("before", "after")},
+                "held-out pass rate before and after RL",
+            )
+        )
     for axis, values in (summary.get("pass_rate_by_axis") or {}).items():
         sections.append(
             f"<h2>Per {escape(axis)}</h2>{_table(header, [row(v, e) for v, e in values.items()])}"
@@ -148,7 +175,7 @@ def render_before_after_html(summary: Mapping[str, Any]) -> str:
 <p>{escape(str(summary.get("run_dir", "")))}: {summary.get("steps")} RL steps; pass rate = passing episodes
 over held-out tasks x {summary.get("samples_per_task")} samples, same sampling settings before and after.</p>
 {"".join(sections)}
-<p><img src="learning_curve.png" alt="learning curve"></p>
+<p><img class="curve" src="learning_curve.png" alt="learning curve"></p>
 """
     return _page(f"tmax-jax train: {summary.get('run_dir', '')}", body)
 
@@ -167,7 +194,7 @@ def render_harness_html(matrix: Mapping[str, Any]) -> str:
         return f"{_fmt(s['pass_at'].get(str(j)))} <small>({s['evaluated']})</small>"
 
     tables = []
-    for j in sorted({1, k}):
+    for j in _pass_ks(k):
         rows = [
             [f'<a href="{escape(by[h]["report"])}">{escape(h)}</a>', cell(by[h]["overall"], j)]
             + [cell(by[h]["categories"].get(c), j) for c in cats]
@@ -176,10 +203,10 @@ def render_harness_html(matrix: Mapping[str, Any]) -> str:
         tables.append(f"<h2>pass@{j}: harness x category</h2>\n" + _table(["harness", "all", *cats], rows))
     stat_header = _stats_header(ks)
     overall_rows = [_stats_row(h, by[h]["overall"], ks) for h in matrix["harnesses"]]
-    chart = bar_chart(
+    chart = _chart(
         list(matrix["harnesses"]),
         {"pass@1": [by[h]["overall"]["pass_at"]["1"] for h in matrix["harnesses"]]},
-        title="pass@1 per harness, all evaluated tasks",
+        "pass@1 per harness, all evaluated tasks",
     )
     meta_items = _meta_items(matrix, ("agent", "model", "tasks_dir"))
     body = f"""<h1>Evaluation report: one agent, every harness</h1>

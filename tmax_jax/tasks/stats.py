@@ -1,4 +1,4 @@
-"""Corpus statistics: axis balance and difficulty tables, and PNG bar charts (drawn with Pillow)."""
+"""Corpus statistics: axis balance and difficulty tables, and PNG bar charts (drawn with matplotlib)."""
 
 from __future__ import annotations
 
@@ -51,26 +51,19 @@ def cross_table(root: str | Path, rows: str = "domain", cols: str = "task_comple
 
 
 def bar_chart(counts: collections.Counter, title: str, path: Path) -> Path:
-    from PIL import Image, ImageDraw, ImageFont
+    """Task counts per value, the most common first, as a horizontal bar chart PNG."""
+    from tmax_jax.figures import bar_chart_figure, save_png
 
     items = sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))
-    width, row_h, left = 900, 26, 260
-    img = Image.new("RGB", (width, 50 + row_h * max(len(items), 1)), "white")
-    draw = ImageDraw.Draw(img)
-    try:
-        font = ImageFont.truetype("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf", 14)
-    except OSError:
-        font = ImageFont.load_default()
-    draw.text((10, 10), title, fill="black", font=font)
-    top = max([v for _, v in items] + [1])
-    for i, (k, v) in enumerate(items):
-        y = 40 + i * row_h
-        draw.text((10, y + 4), str(k)[:34], fill="black", font=font)
-        bar = int((width - left - 60) * v / top)
-        draw.rectangle([left, y + 3, left + bar, y + row_h - 5], fill=(70, 120, 200))
-        draw.text((left + bar + 6, y + 4), str(v), fill="black", font=font)
-    img.save(path)
-    return path
+    fig = bar_chart_figure(
+        [str(k) for k, _ in items],
+        {"tasks": [v for _, v in items]},
+        title=title,
+        xlabel="tasks",
+        xmax=None,
+        value_format="{:d}",
+    )
+    return save_png(fig, path, dpi=100)
 
 
 def corpus_stats(root: str | Path, plots_dir: str | Path | None = None) -> dict:

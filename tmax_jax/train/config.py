@@ -17,6 +17,7 @@ from tmax_jax.errors import ConfigError
 from tmax_jax.rl.config import RLConfig
 from tmax_jax.sandbox.config import SandboxConfig
 from tmax_jax.sharding import MeshConfig
+from tmax_jax.train.metrics import LoggingConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -262,6 +263,7 @@ class TrainConfig:
     reward_requires_submit: bool = False
     plan: PlanSettings = dataclasses.field(default_factory=PlanSettings)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "group_size", "rollout_workers", "seq_len", "save_every"):

@@ -7,7 +7,7 @@ import json
 import numpy as np
 
 from tmax_jax.distributed import is_primary
-from tmax_jax.train.plot import line_chart
+from tmax_jax.figures import learning_curve_figure, save_png
 from tmax_jax.train.rollout import pass_rates_by_group
 
 
@@ -34,17 +34,20 @@ def summary(run, before: dict, after: dict, step: int) -> dict:
     }
 
 
-def plot(run, before: dict, after: dict) -> None:
-    rows = run.metrics.read()
-    series = {
-        "train pass rate": [(r["step"], r["pass_rate"]) for r in rows if r.get("pass_rate") is not None]
-    }
-    held = [(0, before["pass_rate"])] + [
-        (r["step"], r["heldout_pass_rate"]) for r in rows if r.get("heldout_pass_rate") is not None
-    ]
+def learning_curve_points(rows: list[dict], before: dict, after: dict) -> tuple[list, list]:
+    """(train, held-out) (step, pass rate) points: the train rate of every step, and the held-out rate
+    at step 0 (before RL), at each ``eval.every`` step and at the last step (after RL)."""
+    train = [(r["step"], r["pass_rate"]) for r in rows if r.get("pass_rate") is not None]
+    held = [(0, before["pass_rate"])]
+    held += [(r["step"], r["heldout_pass_rate"]) for r in rows if r.get("heldout_pass_rate") is not None]
     held.append((rows[-1]["step"] if rows else 0, after["pass_rate"]))
-    series["held-out pass rate"] = held
-    line_chart(run.run_dir / "learning_curve.png", series, title="tmax-jax DPPO: pass rate per step")
+    return train, held
+
+
+def plot(run, before: dict, after: dict) -> None:
+    train, held = learning_curve_points(run.metrics.read(), before, after)
+    fig = learning_curve_figure(train, held, title="tmax-jax DPPO: pass rate per step")
+    save_png(fig, run.run_dir / "learning_curve.png")
 
 
 def write_report(run, before: dict, after: dict, step: int) -> dict:

@@ -18,13 +18,14 @@ import jax
 import jax.numpy as jnp
 
 from tmax_jax.agent.episode import make_chat
+from tmax_jax.config import to_dict
 from tmax_jax.data import DataConfig, PromptLoader
 from tmax_jax.distributed import allgather_json, barrier, is_primary, primary_first
 from tmax_jax.errors import ConfigError, TmaxError
 from tmax_jax.train.config import TrainConfig
 from tmax_jax.train.console import log
 from tmax_jax.train.learner import Learner
-from tmax_jax.train.metrics import MetricsWriter
+from tmax_jax.train.metrics import MetricsWriter, require_wandb
 from tmax_jax.train.mtp_fit import draft_fitter, draft_settings, resume_draft
 from tmax_jax.train.producer import Producer
 from tmax_jax.train.rollout import demonstrations
@@ -65,6 +66,7 @@ def build_run(cfg: TrainConfig, *, progress: bool = True) -> Run:
             f"prompts_per_step={cfg.prompts_per_step} must be divisible by the {nproc} JAX "
             "processes (each runs the same number of groups per step)"
         )
+    require_wandb(cfg.logging)  # before any work, on every process
     # Files one process creates and the others read: process 0 first (a shared run_dir).
     with primary_first("tmax-jax train: run dir"):
         prepare_run_dir(cfg)
@@ -144,7 +146,7 @@ def build_run(cfg: TrainConfig, *, progress: bool = True) -> Run:
         )
     elif data_state:
         loader.set_state(data_state)
-    metrics = MetricsWriter(run_dir, enabled=is_primary())
+    metrics = MetricsWriter(run_dir, logging=cfg.logging, run_config=to_dict(cfg), enabled=is_primary())
     metrics.truncate_after(start_step)
     # Last: the producer starts the rollout workers (threads, sandboxes), so nothing after it can fail.
     producer = Producer(cfg, engine, tokenizer, chat, train_tasks, loader, active, pid=pid, nproc=nproc)

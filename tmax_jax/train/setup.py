@@ -18,7 +18,8 @@ from tmax_jax.train.config import TrainConfig
 from tmax_jax.train.demo_tasks import DATA_FAMILIES, DEMO_FAMILIES, TRAIN_NAMES, WORDS, write_demo_task
 
 # Fields that may change when a run is resumed (extending a run, moving it, or new hosts after a
-# preemption); ``plan`` only describes the hardware ``tmax-jax plan`` checks against.
+# preemption); ``plan`` only describes the hardware ``tmax-jax plan`` checks against, and ``logging``
+# only where the metrics are copied to.
 RESUMABLE_CHANGES = {
     "steps",
     "run_dir",
@@ -27,6 +28,7 @@ RESUMABLE_CHANGES = {
     "rollout_workers",
     "plan",
     "distributed",
+    "logging",
 }
 
 
