@@ -66,30 +66,29 @@ def _curve_mean(runs: list[dict[str, Any]], key: str) -> tuple[list[int], list[f
 def figures(comparison: dict[str, Any]) -> dict[str, bytes]:
     """PNG bytes of the figures: held-out gain per variant (mean, 95% interval, each seed), and the
     train pass rate and reward per step (mean over seeds) of every variant."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
+
+    from tmax_jax.figures import BAR_COLORS, new_figure, wrap_label
 
     out: dict[str, bytes] = {}
     names = list(comparison["variants"])
 
-    def png(fig: Figure) -> bytes:
+    def png(fig) -> bytes:
         buf = io.BytesIO()
         fig.savefig(buf, format="png")
         return buf.getvalue()
 
-    fig = Figure(figsize=(8, 1.2 + 0.55 * len(names)), dpi=100, layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = new_figure(1.2 + 0.55 * len(names))
     ax = fig.add_subplot()
     for i, name in enumerate(names):
         g = comparison["variants"][name]["heldout_gain"]
         seeds = [100 * r["heldout_gain"] for r in comparison["runs"][name]]
         if g["mean"] is not None:
             err = None if g["ci95"] is None else [100 * g["ci95"]]
-            ax.barh([i], [100 * g["mean"]], xerr=err, color="#4269d0", alpha=0.75, capsize=4)
+            ax.barh([i], [100 * g["mean"]], xerr=err, color=BAR_COLORS[0], alpha=0.75, capsize=4)
         ax.scatter(seeds, [i] * len(seeds), color="#222222", s=14, zorder=3)
     ax.axvline(0, color="#888888", lw=1)
-    ax.set_yticks(range(len(names)), names)
+    ax.set_yticks(range(len(names)), [wrap_label(n) for n in names])
     ax.invert_yaxis()
     ax.set_xlabel("held-out pass rate gain (points): mean, 95% interval, each seed")
     out["heldout_gain.png"] = png(fig)
@@ -98,8 +97,7 @@ def figures(comparison: dict[str, Any]) -> dict[str, bytes]:
         ("train_pass_rate", "train pass rate", "train_pass_rate.png"),
         ("reward", "reward (mean)", "reward.png"),
     ):
-        fig = Figure(figsize=(8, 4.2), dpi=100, layout="constrained")
-        FigureCanvasAgg(fig)
+        fig = new_figure(4.2)
         ax = fig.add_subplot()
         for name in names:
             steps, ys = _curve_mean(comparison["runs"][name], key)
