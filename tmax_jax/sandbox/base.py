@@ -50,6 +50,10 @@ VERIFIER_ENV = {
     "PYTHONSAFEPATH": "1",
     "PYTHONUSERBASE": VERIFIER_PYTHON_DIR,
     "PYTHONDONTWRITEBYTECODE": "1",
+    # Its scratch space is its own tmpfs (the backends mount /tmp, /var/tmp and /dev/shm afresh), and
+    # the shell its tools start is the image's, whatever the image's variables say.
+    "TMPDIR": "/tmp",
+    "SHELL": "/bin/bash",
 }
 # The verifier's own pytest plugin (``_CTRF_PLUGIN``), for tests that ask for ``--ctrf``: most
 # Terminal-Bench 2 verifiers run `pytest --ctrf /logs/verifier/ctrf.json`, whose plugin their
@@ -328,6 +332,7 @@ class Sandbox(abc.ABC):
         self._closed = False
         self._close_lock = threading.Lock()
         self._shells: list = []
+        self._left_behind = False  # a dir of the sandbox's that ``_close`` could not remove
         self.run_dir = cfg.resolved_run_dir / self.id
         self.exec_count = 0
         self.exec_durations: list[float] = []
@@ -368,7 +373,11 @@ class Sandbox(abc.ABC):
         try:
             self._close()
         finally:
-            registry.cleanup_record(self.run_dir, {})
+            # A dir that could not be removed (said on stderr) is recorded for the stale sweep; the
+            # episode goes on either way.
+            if not registry.cleanup_record(self.run_dir, {}) or self._left_behind:
+                rec = {"backend": self.backend, **self._owner_extra()}
+                registry.keep_for_sweep(self.run_dir, registry.owner_record(rec))
             registry.unregister(self)
 
     def __enter__(self) -> Sandbox:
