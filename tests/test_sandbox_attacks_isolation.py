@@ -117,10 +117,11 @@ def test_port_of_test_helper_squatted(backend, tmp_path):
     assert res.reward == 0.0, (res.reason, res.verifier_log[-2000:])
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [*MODES, "declared"])
 def test_agent_service_answers_the_tests_in_harbor_mode_only(backend, tmp_path, mode):
     """The control of Harbor's semantics: a server the agent left running answers the tests (1) in
-    harbor mode; strict mode stops it before the tests run (0)."""
+    harbor mode and for a task that declares it (``[verifier] agent_services``, in a strict run);
+    strict mode stops it before the tests run (0)."""
     solve = (
         "mkdir -p /srv/ans && cp /solution/answer.txt /srv/ans/answer.txt && echo yes > /app/answer.txt\n"
         "cd /srv/ans && (python3 -m http.server 8766 --bind 127.0.0.1 >/dev/null 2>&1 </dev/null &)\n"
@@ -130,13 +131,16 @@ def test_agent_service_answers_the_tests_in_harbor_mode_only(backend, tmp_path, 
         'got=$(python3 -c "$(cat /tests/fetch.py)" 8766)\n'
         'want=$([ -n "$got" ] && [ "$got" = "$(cat /tests/expected.txt)" ] && echo yes)\n' + SCORE
     )
-    cfg = _cfg(backend, tmp_path, mode)
+    cfg = _cfg(backend, tmp_path, "strict" if mode == "declared" else mode)
     d = _write_task(tmp_path / "tasks", "service", solve, "42-service")
+    if mode == "declared":
+        toml = (d / "task.toml").read_text()
+        (d / "task.toml").write_text(toml.replace("[verifier]\n", "[verifier]\nagent_services = true\n"))
     (d / "tests" / "test.sh").write_text("#!/bin/bash\n" + test_sh)
     (d / "tests" / "fetch.py").write_text(FETCH)
     (d / "solution" / "answer.txt").write_text("42-service\n")
     res = run_task(load_task(d), "oracle", cfg)
-    assert res.reward == (1.0 if mode == "harbor" else 0.0), (res.reason, res.verifier_log[-2000:])
+    assert res.reward == (0.0 if mode == "strict" else 1.0), (res.reason, res.verifier_log[-2000:])
 
 
 def test_verifier_mode_is_checked():

@@ -7,6 +7,7 @@ the reason where podman cannot run containers.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import textwrap
 import time
@@ -163,7 +164,9 @@ def test_no_host_secret_in_agent_or_verifier(cfg, tmp_path, monkeypatch):
 
 # ---- the verifier ---------------------------------------------------------------------------------
 def test_verifier_sees_live_files_and_services_and_scores(cfg, tests_dir):
-    # The control: a solved task whose answer is served by a server the agent left running.
+    # The control: a solved task whose answer is served by a server the agent left running (Harbor's
+    # semantics; a strict verifier stops it first).
+    cfg = dataclasses.replace(cfg, verifier_mode="harbor")
     (tests_dir / "test_answer.py").write_text(
         TEST_PY
         + textwrap.dedent(
