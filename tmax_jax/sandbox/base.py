@@ -633,12 +633,16 @@ class Sandbox(abc.ABC):
         env: Mapping[str, str] | None = None,
         private: bool = False,
     ) -> VerifierRun:
-        """Run a verifier the agent cannot reach, over the agent's current filesystem and network.
+        """Run a verifier the agent cannot reach, over the agent's current filesystem.
 
         ``tests_dir`` (a host directory) appears at ``/tests`` and an empty ``/logs/verifier`` is
-        created, both only in the verifier's own mount namespace; agent processes (which may still
-        be running, as services the tests talk to) can neither see them nor see or signal the
-        verifier's processes. ``argv`` runs with ``VERIFIER_ENV`` (plus ``env``) in ``/tests``.
+        created, both only in the verifier's own mount namespace (on a tmpfs of the task's storage
+        size where the backend can), beside ``/tmp``, ``/var/tmp`` and ``/dev/shm`` of its own; agent
+        processes can neither see them nor see or signal the verifier's processes. In
+        ``cfg.verifier_mode`` ``strict`` the agent's processes are stopped first and the verifier
+        has a network namespace of its own; in ``harbor`` they keep running (services the tests
+        talk to) and it joins the agent's network. ``argv`` runs with ``VERIFIER_ENV`` (plus ``env``)
+        in ``/tests``.
         ``private``: /tests is mode 0700 for the verifier's root, so that what its tests run as
         another user (the agent's code, graded unprivileged) cannot read the tests' cases.
         """

@@ -16,13 +16,17 @@ Layout of one sandbox (the threat model is in sandboxes/README.md):
 - As host root, the base's top-level dirs (``/usr``, ``/etc``, ...) are copy-on-write overlays
   (``overlay.py``): id-mapped so that the sandbox's root owns them there, changes in the state's
   disk, mounted once and bound into every command. Otherwise (an ordinary user) they are read-only.
-- The verifier (``run_verifier``) is a ``bwrap`` that joins only ``U`` and the network namespace:
-  its pid namespace is a sibling of the agent's (agent processes cannot see or signal it) and its
-  mount namespace has the base (the agent's copy-on-write view of it, as under Docker, its
-  toolchain checked by ``podman_toolchain`` before, during and after; else freshly bound), the
-  agent's other top-level dirs, and ``/tests`` and
-  ``/logs`` from host directories that no agent mount namespace contains. The reward is read from
-  that host directory.
+- The verifier (``run_verifier``) is a ``bwrap`` that joins only ``U`` and, in ``harbor`` mode,
+  the network namespace (``strict``, the default, first kills every agent process of the pid
+  namespace but the holder's own and gives the verifier a network namespace of its own): its pid
+  namespace is a sibling of the agent's (agent processes cannot see or signal it) and its mount
+  namespace has the base (the agent's copy-on-write view of it, as under Docker, its toolchain
+  checked by ``podman_toolchain`` before, during and after; else freshly bound), the agent's other
+  top-level dirs (and ``/var``'s entries), each bound from an fd opened without following links so
+  that a dir swapped for a link after it was looked at cannot lead bwrap to a host path, its own
+  size-limited ``/tmp``, ``/var/tmp`` and ``/dev/shm``, and ``/tests`` and ``/logs`` from a tmpfs of
+  the task's storage size (as host root) that no agent mount namespace contains. The reward is read
+  from that host directory; the tmpfs is unmounted after.
 """
 
 from __future__ import annotations

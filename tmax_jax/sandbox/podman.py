@@ -10,22 +10,24 @@ file handles denied (``seccomp_profile``). podman keeps ``/proc/sys`` read-only 
 are size-limited tmpfs; pids/memory/CPU limits per container; ``RLIMIT_FSIZE`` caps one file at
 ``disk_mb``. ``close`` removes the container, which kills every process in its PID namespace.
 Not isolated: the writable root filesystem's total size (an overlay on the host disk, as under
-Docker), and loopback/abstract sockets between the agent and the verifier (they share a network
-namespace on purpose).
+Docker), and, in ``harbor`` verifier mode, loopback/abstract sockets between the agent and the
+verifier (they share a network namespace on purpose).
 
 Verification (``run_verifier``): a second container, started for it, with its own PID, mount, IPC and
-user namespace and cgroup, the agent's network namespace (``--network container:<agent>``: services
-the agent left running answer), and the agent's live root filesystem as its root (``--rootfs`` on the
-overlay's merged dir, so the agent's files are seen as they are). ``/tests`` (a private copy of the
-task's tests, writable like Harbor's) and ``/logs/verifier`` (an empty host dir) are bind mounts of
-that container only; the reward files are read from the host dir. Agent processes keep running and
+user namespace and cgroup, its own empty ``/tmp``, ``/var/tmp`` and ``/dev/shm`` (size-limited
+tmpfs), and the agent's live root filesystem as its root (``--rootfs`` on the overlay's merged dir,
+so the agent's files are seen as they are). In ``harbor`` verifier mode it joins the agent's network
+namespace (``--network container:<agent>``: services the agent left running answer); in ``strict``
+(the default) every agent process but the container's init and ``sleep`` is killed first and the
+verifier has a network of its own. ``/tests`` (a private copy of the task's tests, writable like
+Harbor's) and ``/logs/verifier`` (an empty dir) are bind mounts of that container only, from a tmpfs
+of the task's storage size in the run dir; the reward files are read from there. Agent processes keep running and
 may still rewrite their own files while the tests run, as under Docker, but cannot see or signal
 the verifier's processes nor reach its ``/tests`` and ``/logs/verifier``: in the agent's namespace
 both paths are empty read-only mounts, so the agent cannot rename them away (which would detach the
 verifier's mounts) or put a symlink there. The verifier starts with ``VERIFIER_ENV`` (fixed PATH,
 ``HOME=/tests``, isolated Python start-up) in ``/tests``. What stays possible: agent code that the
-tests themselves import runs inside the verifier (as under Harbor); the verifier shares the agent's
-``/tmp`` (the root filesystem's) but not its ``/dev/shm``. ``podman_read_only`` sandboxes keep the
+tests themselves import runs inside the verifier (as under Harbor). ``podman_read_only`` sandboxes keep the
 agent's writes in tmpfs of its own mount namespace, so they cannot be verified (a clear error).
 
 Toolchain tampering is detected, not prevented (the agent's root filesystem is writable, as under
