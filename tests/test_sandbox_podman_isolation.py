@@ -231,6 +231,8 @@ def test_verifier_timeout_kills_it_and_keeps_the_agent(cfg, tmp_path):
     d = tmp_path / "tests"
     d.mkdir()
     (d / "test.sh").write_text("sleep 60 & sleep 60\n")
+    # A process of the agent's that runs on during the tests: Harbor's semantics.
+    cfg = dataclasses.replace(cfg, verifier_mode="harbor")
     with make_sandbox(cfg) as sb:
         sb.shell().run("sleep 300 >/dev/null 2>&1 &")
         v = sb.run_verifier(d, ["bash", "/tests/test.sh"], timeout=2)
@@ -289,6 +291,8 @@ def test_toolchain_planted_only_during_verification_is_reported(cfg, tests_dir):
     # Plant a fake pytest and remove it again, over and over: a scan before or after may miss it.
     (tests_dir / "test.sh").write_text("sleep 1.5\n" + TEST_SH)
     site = "/usr/local/lib/python3.11/dist-packages"
+    # A process of the agent's that runs on during the tests: Harbor's semantics.
+    cfg = dataclasses.replace(cfg, verifier_mode="harbor")
     with make_sandbox(cfg) as sb:
         _background(
             sb,
@@ -316,6 +320,8 @@ def test_agent_cannot_swap_the_verifiers_tests(cfg, tests_dir):
     # Renaming /tests (or /logs/verifier) during verification would detach the verifier's mounts
     # and let it run a test.sh of the agent's; the mount points are pinned, so both fail.
     (tests_dir / "test.sh").write_text("sleep 1\n" + TEST_SH)
+    # A process of the agent's that runs on during the tests: Harbor's semantics.
+    cfg = dataclasses.replace(cfg, verifier_mode="harbor")
     with make_sandbox(cfg) as sb:
         r = sb.exec("mv /tests /tests.old; rm -rf /tests; ln -s /app /logs/verifier; echo rc=$?")
         assert "rc=1" in r.stdout and "busy" in (r.stderr + r.stdout).lower(), r

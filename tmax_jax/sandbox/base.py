@@ -9,6 +9,7 @@ import os
 import shlex
 import shutil
 import stat
+import subprocess
 import tarfile
 import tempfile
 import threading
@@ -209,6 +210,25 @@ _STARTUP_VARS = frozenset(
         "PYTEST_PLUGINS", "LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT", "PERL5OPT", "NODE_OPTIONS",
     }
 )  # fmt: skip
+
+
+def stage_tests(vdir: Path, tests_dir: str | os.PathLike, size_mb: int, owner: int | None) -> Path:
+    """Make a verification's host dir ``vdir`` (a tmpfs of ``size_mb`` owned by host uid ``owner``,
+    when given: what the tests leave there neither fills the host's disk nor outlives the
+    verification, whose unmount removes it at once) and copy the tests to its ``tests``."""
+    vdir.mkdir(mode=0o700)
+    if owner is not None:
+        opts = f"size={size_mb}m,mode=0700,uid={owner},gid={owner}"
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(vdir)], capture_output=True, text=True
+        )
+        if r.returncode != 0:
+            raise SandboxError(f"could not mount the verifier's tmpfs: {r.stderr.strip()}")
+    try:
+        shutil.copytree(tests_dir, vdir / "tests", symlinks=True)
+    except OSError as e:  # shutil.Error is one
+        raise SandboxError(f"the tests do not fit the task's storage ({size_mb} MB): {e}") from e
+    return vdir / "tests"
 
 
 def safe_extract(tar: tarfile.TarFile, dest: str) -> None:

@@ -52,10 +52,11 @@ from tmax_jax.sandbox.base import (
     VerifierRun,
     exec_result,
     read_verifier_logs,
+    stage_tests,
     write_verifier_python,
 )
 from tmax_jax.sandbox.config import SandboxConfig
-from tmax_jax.sandbox.procs import descendants, kill_tree, pid_alive, run_capped, stop_pid_namespace
+from tmax_jax.sandbox.procs import children, kill_tree, pid_alive, run_capped, stop_pid_namespace
 
 # Host uid/gid that root of a sandbox's user namespace maps to when tmax-jax runs as host root.
 SUBID_BASE = 100000
@@ -396,7 +397,7 @@ class BwrapSandbox(Sandbox):
             raise SandboxError(f"bwrap sandbox did not come up: {err.strip() or ready!r}")
         # What holds the namespaces open (bwrap's init and its ``sleep``), spared by a strict
         # verifier's stop of the agent's processes.
-        self._holder = frozenset({self.child_pid, *descendants(self.child_pid)})
+        self._holder = frozenset({self.child_pid, *children(self.child_pid)})
 
     def _join_userns(self, holder: subprocess.Popen) -> list[str]:
         """Write the id maps of ``holder``'s new user namespace; the argv prefix that enters it as root."""
@@ -648,20 +649,7 @@ class BwrapSandbox(Sandbox):
         cg = None
         fds: list[int] = []
         try:
-            vdir.mkdir(mode=0o700)
-            if self.is_root:
-                opts = f"size={self.cfg.disk_mb}m,mode=0700,uid={SUBID_BASE},gid={SUBID_BASE}"
-                r = subprocess.run(
-                    ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(vdir)], capture_output=True, text=True
-                )
-                if r.returncode != 0:
-                    raise SandboxError(f"could not mount the verifier's tmpfs: {r.stderr.strip()}")
-            try:
-                shutil.copytree(tests_dir, tests, symlinks=True)
-            except OSError as e:  # shutil.Error is one
-                raise SandboxError(
-                    f"the tests do not fit the task's storage ({self.cfg.disk_mb} MB): {e}"
-                ) from e
+            stage_tests(vdir, tests_dir, self.cfg.disk_mb, SUBID_BASE if self.is_root else None)
             plugin_env = write_verifier_python(tests)
             tests.chmod(0o700 if private else 0o755)
             (logs / "verifier").mkdir(parents=True)

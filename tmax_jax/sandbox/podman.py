@@ -49,7 +49,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import signal
 import subprocess
 import tempfile
@@ -66,11 +65,12 @@ from tmax_jax.sandbox.base import (
     VerifierRun,
     exec_result,
     read_verifier_logs,
+    stage_tests,
     write_verifier_python,
 )
 from tmax_jax.sandbox.config import ExecResult, SandboxConfig
 from tmax_jax.sandbox.podman_images import PodmanImage, ensure_base_image
-from tmax_jax.sandbox.procs import descendants, kill_tree, run_capped, stop_pid_namespace
+from tmax_jax.sandbox.procs import children, kill_tree, run_capped, stop_pid_namespace
 
 # Container uid/gid 0..65535 are host ids 100000..165535: no host file or process belongs to them.
 ID_BASE = 100000
@@ -280,7 +280,7 @@ class PodmanSandbox(Sandbox):
             raise SandboxError(
                 f"podman sandbox {self.name}: no init pid ({r.stderr.strip()[-300:]})"
             ) from None
-        self._holder = frozenset({init, *descendants(init)})
+        self._holder = frozenset({init, *children(init)})
 
     def environment(self, env=None) -> dict[str, str]:
         # The image's own ENV (PATH, ...) stays; only add what the caller and config ask for.
@@ -384,19 +384,7 @@ class PodmanSandbox(Sandbox):
         vdir = self.run_dir / f"verify-{self._verifies}"
         tests, logs = vdir / "tests", vdir / "logs"
         try:
-            vdir.mkdir(mode=0o700)
-            opts = f"size={self.cfg.disk_mb}m,mode=0700,uid={ID_BASE},gid={ID_BASE}"
-            r = subprocess.run(
-                ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(vdir)], capture_output=True, text=True
-            )
-            if r.returncode != 0:
-                raise SandboxError(f"could not mount the verifier's tmpfs: {r.stderr.strip()}")
-            try:
-                shutil.copytree(tests_dir, tests, symlinks=True)
-            except OSError as e:  # shutil.Error is one
-                raise SandboxError(
-                    f"the tests do not fit the task's storage ({self.cfg.disk_mb} MB): {e}"
-                ) from e
+            stage_tests(vdir, tests_dir, self.cfg.disk_mb, ID_BASE)
             env = verifier_guard.merge_env(write_verifier_python(tests), dict(env or {}))
             logs.mkdir()
             guard = vdir / "guard"

@@ -49,6 +49,16 @@ def descendants(pid: int, pmap: dict[int, int] | None = None) -> list[int]:
     return out
 
 
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid`` (one read of its ``children`` file; a walk of /proc without)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except (OSError, ValueError):
+        pmap = parent_map()
+        return [c for c, p in pmap.items() if p == pid]
+
+
 def kill_tree(pid: int, include_self: bool = True, sig: int = signal.SIGKILL) -> None:
     """SIGKILL a process, its process group and every descendant (two passes to catch late forks)."""
     for _ in range(2):
