@@ -69,7 +69,7 @@ def _config(args):
         "backend": args.backend,
         "rootfs": args.rootfs,
         "network": bool(getattr(args, "network", False)),
-        "verifier_mode": args.verifier_mode,
+        "verifier_mode": getattr(args, "verifier_mode", "strict"),
     }
     if args.cache_dir:
         kw["cache_dir"] = args.cache_dir
