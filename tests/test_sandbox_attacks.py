@@ -257,8 +257,11 @@ BACKENDS = [
 
 
 def sandbox_config(backend: str, tmp_path: Path) -> SandboxConfig:
-    """The attack tasks' sandbox on ``backend`` (bwrap with a cache of the test's own)."""
+    """The attack tasks' sandbox on ``backend`` (bwrap with a cache of the test's own), verified with
+    Harbor's semantics: the agent's processes run on during the tests, the harder case (strict mode
+    stops them first; ``test_sandbox_attacks_isolation.py`` runs both)."""
     return SandboxConfig(
+        verifier_mode="harbor",
         backend=backend,
         cache_dir=str(tmp_path / "cache") if backend == "bwrap" else SandboxConfig().cache_dir,
         exec_timeout_s=60,

@@ -422,7 +422,9 @@ def test_link_checks_see_the_top_level_links_the_verifier_root_was_built_with(sb
     assert sb._link_scan() is not None  # both present: found
     vdir = tmp_path / "v"
     vdir.mkdir()
-    args = sb._verifier_tree(vdir / "tests", vdir / "logs", vdir / "links")
+    args, fds, _ = sb._verifier_tree(vdir / "tests", vdir / "logs", vdir / "links")
+    for fd in fds:
+        os.close(fd)
     assert "/t" in args and os.readlink(vdir / "links" / "t") == "/tests"
     sb.exec(["rm", "/t"])
     assert sb._link_scan() is None  # the agent's state alone no longer shows it...

@@ -103,3 +103,43 @@ def test_mount_points_with_spaces_are_found(tmp_path, victim):
         assert overlay.mounts_under(tmp_path) == [str(dst)]
     finally:
         _umount(dst)
+
+
+def test_a_deep_tree_is_removed_without_recursion(tmp_path):
+    d = tmp_path / "deep"
+    d.mkdir()
+    fd = os.open(d, os.O_RDONLY)
+    for _ in range(3000):  # deeper than Python's recursion limit: shutil.rmtree raised here
+        os.mkdir("d", dir_fd=fd)
+        fd, old = os.open("d", os.O_RDONLY, dir_fd=fd), fd
+        os.close(old)
+    os.close(os.open("f", os.O_WRONLY | os.O_CREAT, dir_fd=fd))
+    os.close(fd)
+    assert overlay.remove_unmounted_tree(d)
+    assert not d.exists()
+
+
+def test_a_clean_up_that_fails_is_recorded_and_retried_by_the_sweep(tmp_path, monkeypatch, capsys):
+    import json
+
+    from tmax_jax.sandbox import SandboxConfig, make_sandbox, registry
+
+    cfg = SandboxConfig(cache_dir=str(tmp_path / "cache"))
+    real_run = subprocess.run
+
+    def failing_rm(cmd, *a, **k):
+        if cmd and cmd[0] == "rm":
+            return subprocess.CompletedProcess(cmd, 1, b"", b"rm: cannot remove: Device or resource busy")
+        return real_run(cmd, *a, **k)
+
+    with make_sandbox(cfg) as sb:
+        sb.exec("mkdir -p /app/x && echo hi > /app/x/f")
+        monkeypatch.setattr(overlay.subprocess, "run", failing_rm)
+    monkeypatch.undo()
+    # The episode's close did not raise; it said so and left a record marked closed.
+    assert "could not remove" in capsys.readouterr().err
+    rec = json.loads((sb.run_dir / "owner.json").read_text())
+    assert rec["closed"] is True and rec["stage"] == str(sb.stage) and sb.stage.exists()
+    # The next sweep (while this owner still runs) removes what was left.
+    assert registry.sweep_stale(cfg.resolved_run_dir) == 1
+    assert not sb.run_dir.exists() and not sb.stage.exists()

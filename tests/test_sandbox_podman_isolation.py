@@ -7,6 +7,7 @@ the reason where podman cannot run containers.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import textwrap
 import time
@@ -167,7 +168,9 @@ def test_no_host_secret_in_agent_or_verifier(cfg, tmp_path, monkeypatch):
 
 # ---- the verifier ---------------------------------------------------------------------------------
 def test_verifier_sees_live_files_and_services_and_scores(cfg, tests_dir):
-    # The control: a solved task whose answer is served by a server the agent left running.
+    # The control: a solved task whose answer is served by a server the agent left running (Harbor's
+    # semantics; a strict verifier stops it first).
+    cfg = dataclasses.replace(cfg, verifier_mode="harbor")
     (tests_dir / "test_answer.py").write_text(
         TEST_PY
         + textwrap.dedent(
@@ -232,6 +235,8 @@ def test_verifier_timeout_kills_it_and_keeps_the_agent(cfg, tmp_path):
     d = tmp_path / "tests"
     d.mkdir()
     (d / "test.sh").write_text("sleep 60 & sleep 60\n")
+    # A process of the agent's that runs on during the tests: Harbor's semantics.
+    cfg = dataclasses.replace(cfg, verifier_mode="harbor")
     with make_sandbox(cfg) as sb:
         sb.shell().run("sleep 300 >/dev/null 2>&1 &")
         v = sb.run_verifier(d, ["bash", "/tests/test.sh"], timeout=2)
@@ -290,6 +295,8 @@ def test_toolchain_planted_only_during_verification_is_reported(cfg, tests_dir):
     # Plant a fake pytest and remove it again, over and over: a scan before or after may miss it.
     (tests_dir / "test.sh").write_text("sleep 1.5\n" + TEST_SH)
     site = "/usr/local/lib/python3.11/dist-packages"
+    # A process of the agent's that runs on during the tests: Harbor's semantics.
+    cfg = dataclasses.replace(cfg, verifier_mode="harbor")
     with make_sandbox(cfg) as sb:
         _background(
             sb,
@@ -317,6 +324,8 @@ def test_agent_cannot_swap_the_verifiers_tests(cfg, tests_dir):
     # Renaming /tests (or /logs/verifier) during verification would detach the verifier's mounts
     # and let it run a test.sh of the agent's; the mount points are pinned, so both fail.
     (tests_dir / "test.sh").write_text("sleep 1\n" + TEST_SH)
+    # A process of the agent's that runs on during the tests: Harbor's semantics.
+    cfg = dataclasses.replace(cfg, verifier_mode="harbor")
     with make_sandbox(cfg) as sb:
         r = sb.exec("mv /tests /tests.old; rm -rf /tests; ln -s /app /logs/verifier; echo rc=$?")
         assert "rc=1" in r.stdout and "busy" in (r.stderr + r.stdout).lower(), r

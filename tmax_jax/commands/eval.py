@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from tmax_jax.agent.harness import HARNESSES
+from tmax_jax.commands.run_task import verifier_mode_option
 from tmax_jax.errors import ConfigError
 
 
@@ -56,6 +57,8 @@ def register(subparsers) -> None:
     p.add_argument(
         "--retry-errors", action="store_true", help="re-run attempts that crashed in an earlier run"
     )
+    # Harbor's semantics by default: scores comparable with published Terminal-Bench numbers.
+    verifier_mode_option(p, "harbor")
     p.add_argument("--temperature", type=float, default=1.0, help="model agent sampling temperature")
     p.add_argument("--max-turns", type=int, default=64, help="model agent turn limit per episode")
     p.add_argument(
@@ -177,7 +180,9 @@ def run(args: argparse.Namespace) -> int:
     )
     agents = _make_agents(args)
     out = args.out or Path("runs") / "eval" / f"{_agent_label(args)}-{args.tasks.resolve().name}"
-    sandbox_cfg = SandboxConfig(backend=args.backend, rootfs=args.rootfs, network=args.network)
+    sandbox_cfg = SandboxConfig(
+        backend=args.backend, rootfs=args.rootfs, network=args.network, verifier_mode=args.verifier_mode
+    )
     summaries: dict[str, dict] = {}
     try:
         for harness, (agent, identity) in agents.items():

@@ -35,6 +35,19 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cache-dir", help="layers/images/run dirs (default ~/.cache/tmax-jax or $TMAX_JAX_CACHE)"
     )
+    verifier_mode_option(p, "strict")
+
+
+def verifier_mode_option(p: argparse.ArgumentParser, default: str) -> None:
+    """``--verifier-mode``: what the verifier shares with the agent's processes (SandboxConfig)."""
+    p.add_argument(
+        "--verifier-mode",
+        choices=["strict", "harbor"],
+        default=default,
+        help="strict: the agent's processes are stopped before the tests, which get a network of their "
+        "own; harbor: services the agent left running answer the tests, as under Harbor/Docker "
+        f"(default: {default})",
+    )
 
 
 def register(subparsers) -> None:
@@ -52,7 +65,12 @@ def register(subparsers) -> None:
 def _config(args):
     from tmax_jax.sandbox import SandboxConfig
 
-    kw = {"backend": args.backend, "rootfs": args.rootfs, "network": bool(getattr(args, "network", False))}
+    kw = {
+        "backend": args.backend,
+        "rootfs": args.rootfs,
+        "network": bool(getattr(args, "network", False)),
+        "verifier_mode": getattr(args, "verifier_mode", "strict"),
+    }
     if args.cache_dir:
         kw["cache_dir"] = args.cache_dir
     return SandboxConfig(**kw)

@@ -18,6 +18,12 @@ def register(sub) -> None:
         "to use it",
     )
     p.add_argument(
+        "--verifier-mode",
+        choices=["strict", "harbor"],
+        help="sets sandbox.verifier_mode (default strict: the agent's processes are stopped before the "
+        "tests, which get a network of their own; harbor: services the agent left answer the tests)",
+    )
+    p.add_argument(
         "--set",
         dest="overrides",
         action="append",
@@ -37,6 +43,8 @@ def run(args) -> int:
     overrides = parse_dotted(args.overrides)
     if args.run_dir:
         overrides["run_dir"] = args.run_dir
+    if getattr(args, "verifier_mode", None):
+        overrides.setdefault("sandbox", {})["verifier_mode"] = args.verifier_mode
     if getattr(args, "harness", None):
         overrides.setdefault("agent", {})["harness"] = args.harness
     cfg = load_train_config(args.config, overrides)

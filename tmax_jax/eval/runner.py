@@ -195,15 +195,20 @@ def evaluate(
 
     Attempts already in ``out_dir``'s results log are not re-run. ``identity`` adds what makes
     results comparable (model, checkpoint, harness) to the resume check. ``sandbox_cfg`` is the
-    task runner's SandboxConfig (backend, rootfs); ``run_attempt`` replaces the task runner.
+    task runner's SandboxConfig (backend, rootfs, verifier_mode; None: the default one with Harbor's
+    verifier semantics); ``run_attempt`` replaces the task runner.
     """
     out_dir = Path(out_dir)
     backend = getattr(sandbox_cfg, "backend", None) or "bwrap"
     tasks = find_eval_tasks(tasks_dir, network=cfg.network, backend=backend)
+    # Harbor's verifier semantics unless the config says otherwise (scores comparable with
+    # published numbers); another mode is part of what makes results comparable.
+    mode = getattr(sandbox_cfg, "verifier_mode", "harbor")
     ident = {
         "agent": agent.name,
         "tasks_dir": str(Path(tasks_dir).resolve()),
         "network": cfg.network,
+        **({"verifier_mode": mode} if mode != "harbor" else {}),
         **dict(identity or {}),
     }
     check_run_identity(out_dir, ident)
@@ -233,7 +238,7 @@ def evaluate(
 
         # The pool bounds live sandboxes to the concurrency, records their metrics and, on an
         # exception or Ctrl-C, kills them so in-flight attempts end at once (and are re-run on resume).
-        spool = SandboxPool(sandbox_cfg or SandboxConfig(), size=cfg.concurrency)
+        spool = SandboxPool(sandbox_cfg or SandboxConfig(verifier_mode="harbor"), size=cfg.concurrency)
         run_attempt = functools.partial(harbor_attempt, sandbox_cfg=sandbox_cfg, pool=spool)
     with (
         concurrent.futures.ThreadPoolExecutor(

@@ -9,6 +9,7 @@ import os
 import shlex
 import shutil
 import stat
+import subprocess
 import tarfile
 import tempfile
 import threading
@@ -52,6 +53,10 @@ VERIFIER_ENV = {
     "PYTHONSAFEPATH": "1",
     "PYTHONUSERBASE": VERIFIER_PYTHON_DIR,
     "PYTHONDONTWRITEBYTECODE": "1",
+    # Its scratch space is its own tmpfs (the backends mount /tmp, /var/tmp and /dev/shm afresh), and
+    # the shell its tools start is the image's, whatever the image's variables say.
+    "TMPDIR": "/tmp",
+    "SHELL": "/bin/bash",
 }
 # The verifier's own pytest plugin (``_CTRF_PLUGIN``), for tests that ask for ``--ctrf``: most
 # Terminal-Bench 2 verifiers run `pytest --ctrf /logs/verifier/ctrf.json`, whose plugin their
@@ -256,6 +261,25 @@ _STARTUP_VARS = frozenset(
 )  # fmt: skip
 
 
+def stage_tests(vdir: Path, tests_dir: str | os.PathLike, size_mb: int, owner: int | None) -> Path:
+    """Make a verification's host dir ``vdir`` (a tmpfs of ``size_mb`` owned by host uid ``owner``,
+    when given: what the tests leave there neither fills the host's disk nor outlives the
+    verification, whose unmount removes it at once) and copy the tests to its ``tests``."""
+    vdir.mkdir(mode=0o700)
+    if owner is not None:
+        opts = f"size={size_mb}m,mode=0700,uid={owner},gid={owner}"
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(vdir)], capture_output=True, text=True
+        )
+        if r.returncode != 0:
+            raise SandboxError(f"could not mount the verifier's tmpfs: {r.stderr.strip()}")
+    try:
+        shutil.copytree(tests_dir, vdir / "tests", symlinks=True)
+    except OSError as e:  # shutil.Error is one
+        raise SandboxError(f"the tests do not fit the task's storage ({size_mb} MB): {e}") from e
+    return vdir / "tests"
+
+
 def safe_extract(tar: tarfile.TarFile, dest: str) -> None:
     """Extract an archive a hostile sandbox may have made: tarfile's "data" filter (absolute paths,
     paths or links out of the tree, device files and fifos refused; no setuid bits, no group/other
@@ -377,6 +401,7 @@ class Sandbox(abc.ABC):
         self._closed = False
         self._close_lock = threading.Lock()
         self._shells: list = []
+        self._left_behind = False  # a dir of the sandbox's that ``_close`` could not remove
         self.run_dir = cfg.resolved_run_dir / self.id
         self.exec_count = 0
         self.exec_durations: list[float] = []
@@ -417,7 +442,11 @@ class Sandbox(abc.ABC):
         try:
             self._close()
         finally:
-            registry.cleanup_record(self.run_dir, {})
+            # A dir that could not be removed (said on stderr) is recorded for the stale sweep; the
+            # episode goes on either way.
+            if not registry.cleanup_record(self.run_dir, {}) or self._left_behind:
+                rec = {"backend": self.backend, **self._owner_extra()}
+                registry.keep_for_sweep(self.run_dir, registry.owner_record(rec))
             registry.unregister(self)
 
     def __enter__(self) -> Sandbox:
@@ -684,12 +713,16 @@ class Sandbox(abc.ABC):
         env: Mapping[str, str] | None = None,
         private: bool = False,
     ) -> VerifierRun:
-        """Run a verifier the agent cannot reach, over the agent's current filesystem and network.
+        """Run a verifier the agent cannot reach, over the agent's current filesystem.
 
         ``tests_dir`` (a host directory) appears at ``/tests`` and an empty ``/logs/verifier`` is
-        created, both only in the verifier's own mount namespace; agent processes (which may still
-        be running, as services the tests talk to) can neither see them nor see or signal the
-        verifier's processes. ``argv`` runs with ``VERIFIER_ENV`` (plus ``env``) in ``/tests``.
+        created, both only in the verifier's own mount namespace (on a tmpfs of the task's storage
+        size where the backend can), beside ``/tmp``, ``/var/tmp`` and ``/dev/shm`` of its own; agent
+        processes can neither see them nor see or signal the verifier's processes. In
+        ``cfg.verifier_mode`` ``strict`` the agent's processes are stopped first and the verifier
+        has a network namespace of its own; in ``harbor`` they keep running (services the tests
+        talk to) and it joins the agent's network. ``argv`` runs with ``VERIFIER_ENV`` (plus ``env``)
+        in ``/tests``.
         ``private``: /tests is mode 0700 for the verifier's root, so that what its tests run as
         another user (the agent's code, graded unprivileged) cannot read the tests' cases.
         """

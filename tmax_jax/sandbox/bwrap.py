@@ -16,13 +16,17 @@ Layout of one sandbox (the threat model is in sandboxes/README.md):
 - As host root, the base's top-level dirs (``/usr``, ``/etc``, ...) are copy-on-write overlays
   (``overlay.py``): id-mapped so that the sandbox's root owns them there, changes in the state's
   disk, mounted once and bound into every command. Otherwise (an ordinary user) they are read-only.
-- The verifier (``run_verifier``) is a ``bwrap`` that joins only ``U`` and the network namespace:
-  its pid namespace is a sibling of the agent's (agent processes cannot see or signal it) and its
-  mount namespace has the base (the agent's copy-on-write view of it, as under Docker, its
-  toolchain checked by ``podman_toolchain`` before, during and after; else freshly bound), the
-  agent's other top-level dirs, and ``/tests`` and
-  ``/logs`` from host directories that no agent mount namespace contains. The reward is read from
-  that host directory.
+- The verifier (``run_verifier``) is a ``bwrap`` that joins only ``U`` and, in ``harbor`` mode,
+  the network namespace (``strict``, the default, first kills every agent process of the pid
+  namespace but the holder's own and gives the verifier a network namespace of its own): its pid
+  namespace is a sibling of the agent's (agent processes cannot see or signal it) and its mount
+  namespace has the base (the agent's copy-on-write view of it, as under Docker, its toolchain
+  checked by ``podman_toolchain`` before, during and after; else freshly bound), the agent's other
+  top-level dirs (and ``/var``'s entries), each bound from an fd opened without following links so
+  that a dir swapped for a link after it was looked at cannot lead bwrap to a host path, its own
+  size-limited ``/tmp``, ``/var/tmp`` and ``/dev/shm``, and ``/tests`` and ``/logs`` from a tmpfs of
+  the task's storage size (as host root) that no agent mount namespace contains. The reward is read
+  from that host directory; the tmpfs is unmounted after.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import functools
 import json
 import os
 import shutil
+import stat
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -47,10 +52,11 @@ from tmax_jax.sandbox.base import (
     VerifierRun,
     exec_result,
     read_verifier_logs,
+    stage_tests,
     write_verifier_python,
 )
 from tmax_jax.sandbox.config import SandboxConfig
-from tmax_jax.sandbox.procs import kill_tree, pid_alive, run_capped
+from tmax_jax.sandbox.procs import children, kill_tree, pid_alive, run_capped, stop_pid_namespace
 
 # Host uid/gid that root of a sandbox's user namespace maps to when tmax-jax runs as host root.
 SUBID_BASE = 100000
@@ -65,7 +71,10 @@ CAPS = (
 # Created in every sandbox's state, sticky and world-writable, as in a container.
 SCRATCH = ("/tmp", "/run", "/run/lock", "/var/tmp")
 # Top-level names a verifier never takes from the agent's state (its own mounts, or the kernel's).
-_VERIFIER_OWN = frozenset({"proc", "dev", "sys", "tests", "logs"})
+_VERIFIER_OWN = frozenset({"proc", "dev", "sys", "tests", "logs", "tmp"})
+# Where an agent's entry is bound from: an fd opened without following links (``_bind_entry``).
+_O_ENTRY = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+_O_LIST = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # As host root, each sandbox's host-side mounts (its state tmpfs, and read-only binds of bind sources
 # that root of the user namespace could not reach, such as a Python under /root) live under here,
 # in a directory only host root and the sandbox's root may enter.
@@ -124,6 +133,7 @@ class BwrapSandbox(Sandbox):
         self.child_pid: int | None = None
         self._bpf = self.run_dir / "seccomp.bpf"
         self._verifications = 0
+        self._holder: frozenset[int] = frozenset()
         # Copy-on-write base dirs (host root only): destination -> (base dir, merged mount point).
         self.overlays: dict[str, tuple[str, Path]] = {}
         self._upper = self.disk / "upper"
@@ -385,6 +395,9 @@ class BwrapSandbox(Sandbox):
         if ready.strip() != b"tmax-ready":
             err = self.init.stderr.read().decode(errors="replace") if self.init.poll() is not None else ""
             raise SandboxError(f"bwrap sandbox did not come up: {err.strip() or ready!r}")
+        # What holds the namespaces open (bwrap's init and its ``sleep``), spared by a strict
+        # verifier's stop of the agent's processes.
+        self._holder = frozenset({self.child_pid, *children(self.child_pid)})
 
     def _join_userns(self, holder: subprocess.Popen) -> list[str]:
         """Write the id maps of ``holder``'s new user namespace; the argv prefix that enters it as root."""
@@ -446,55 +459,109 @@ class BwrapSandbox(Sandbox):
         base = self._with_overlays(_without_symlinks(self._base_args))
         return ["--bind", str(self.state), "/", *base, *self._kernel_mounts(), *self._late_args]
 
-    def _kernel_mounts(self) -> list[str]:
-        return [
-            "--proc",
-            "/proc",
-            "--ro-bind",
-            "/proc/sys",
-            "/proc/sys",
-            "--dev",
-            "/dev",
-            "--bind",
-            str(self._shm),
-            "/dev/shm",
-        ]
+    def _kernel_mounts(self, shm: list[str] | None = None) -> list[str]:
+        """/proc (its /proc/sys read-only), a fresh /dev, and /dev/shm: the agent's (from its disk)
+        unless ``shm`` gives the mount args of another."""
+        shm = ["--bind", str(self._shm), "/dev/shm"] if shm is None else shm
+        return ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--dev", "/dev", *shm]
 
-    def _verifier_tree(self, tests: Path, logs: Path, links: Path | None = None) -> list[str]:
-        """A verifier's mounts: a read-only root of bwrap's own, the base's dirs (the agent's
-        copy-on-write views of them, as under Docker, whose toolchain ``run_verifier`` checks; the
-        rest bound afresh), each other top-level entry of the agent's state as it is now, and
-        ``/tests``, ``/logs`` of its own."""
+    def _scratch(self, dest: str) -> list[str]:
+        """A verifier's own scratch dir at ``dest``: sticky, world-writable, size-limited tmpfs."""
+        return ["--perms", "1777", "--size", str(self.cfg.disk_mb << 20), "--tmpfs", dest]
+
+    def _verifier_tree(self, tests: Path, logs: Path, links: Path) -> tuple[list[str], list[int], list]:
+        """A verifier's mounts and the fds they bind from: a read-only root of bwrap's own, the
+        base's dirs (the agent's copy-on-write views of them, as under Docker, whose toolchain
+        ``run_verifier`` checks; the rest bound afresh), each other top-level entry of the agent's
+        state as it is now, its own scratch (``/tmp``, ``/var/tmp``, ``/dev/shm``), and ``/tests``,
+        ``/logs`` of its own. Also returns the fds to pass and the links remade below the top
+        (``(dest, target)``; the top-level ones go into the dir ``links``), for the link checks.
+
+        The agent's entries are bound from fds opened without following links (``_bind_entry``):
+        a dir swapped for a link after it was looked at cannot lead bwrap, which resolves paths on
+        the host, to a host dir. The caller closes the fds."""
         base_names = {d.lstrip("/").split("/")[0] for _, d in _dests(self._base_args)}
         args = self._with_overlays(self._base_args)
+        fds: list[int] = []
+        nested: list[tuple[str, str]] = []
         try:
-            entries = sorted(os.listdir(self.state))
+            root = os.open(self.state, _O_LIST)
         except OSError as e:
-            raise SandboxError(f"sandbox {self.id}: cannot list its state: {e}") from e
-        for name in entries:
-            # A pytest config or conftest.py linked in at the top is never made (``run_verifier``
-            # scores it 0 when it sees one; this holds even if a process flips it in between).
-            if name in base_names or name in _VERIFIER_OWN or name in podman_toolchain.ROOT_CONFIGS:
-                continue
-            path = self.state / name
-            try:
-                if path.is_symlink():
-                    target = os.readlink(path)
-                    args += ["--symlink", target, f"/{name}"]
-                    if links is not None:  # as the verifier will have it, for the link checks
-                        links.mkdir(exist_ok=True)
-                        os.symlink(target, links / name)
-                elif path.is_dir():
-                    args += ["--bind", str(path), f"/{name}"]
-            except OSError:
-                continue  # gone while we looked: the agent is still running
-        args += [*self._kernel_mounts(), "--bind", str(tests), "/tests", "--bind", str(logs), "/logs"]
+            raise SandboxError(f"sandbox {self.id}: cannot open its state: {e}") from e
+        try:
+            entries = sorted(os.listdir(root))
+            for name in entries:
+                # A pytest config or conftest.py linked in at the top is never made (``run_verifier``
+                # scores it 0 when it sees one; this holds even if a process flips it in between).
+                if name in base_names or name in _VERIFIER_OWN or name in podman_toolchain.ROOT_CONFIGS:
+                    continue
+                if name == "var" and self._var_tree(root, args, fds, nested):
+                    continue
+                args += self._bind_entry(root, name, f"/{name}", fds, links)
+        except BaseException:
+            _close_fds(fds)
+            raise
+        finally:
+            os.close(root)
+        args += self._scratch("/tmp")
+        args += self._kernel_mounts(shm=self._scratch("/dev/shm"))
+        args += ["--bind", str(tests), "/tests", "--bind", str(logs), "/logs"]
         # The tests' own files and the verifier's Python, read-only: code the tests run cannot
         # append to the test.sh that bash is still reading, nor change a plugin (``verifier_guard``).
         for rel in verifier_guard.readonly_test_files(tests, VERIFIER_PYTHON_REL):
             args += ["--ro-bind", str(tests / rel), f"/tests/{rel}"]
         # bwrap's own root holds only mount points and symlinks: read-only.
-        return args + [*self._late_args, "--remount-ro", "/"]
+        return args + [*self._late_args, "--remount-ro", "/"], fds, nested
+
+    def _bind_entry(
+        self, dir_fd: int, name: str, dest: str, fds: list[int], links: Path | list, files: bool = False
+    ) -> list[str]:
+        """bwrap args that show the entry ``name`` of ``dir_fd`` at ``dest``: a link remade with the
+        target it has now (recorded for the link checks: in the dir ``links``, or as ``(dest,
+        target)`` in the list ``links``), a dir (or, with ``files``, any other file but a device)
+        bound from an fd of that very inode; nothing when it is gone or of another kind."""
+        try:
+            fd = os.open(name, _O_ENTRY, dir_fd=dir_fd)
+        except OSError:
+            return []  # gone while we looked: the agent may still be running
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISLNK(st.st_mode):
+                target = os.readlink("", dir_fd=fd)
+                if isinstance(links, list):
+                    links.append((dest, target))
+                else:  # as the verifier's root will have it, for the link checks
+                    links.mkdir(exist_ok=True)
+                    os.symlink(target, links / name)
+                return ["--symlink", target, dest]
+            device = stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+            if not (stat.S_ISDIR(st.st_mode) or (files and not device)):
+                return []
+            # Above the fds the prefix opens (3, 4); bwrap closes it once bound.
+            fds.append(fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10))
+            return ["--bind-fd", str(fds[-1]), dest]
+        except OSError:
+            return []
+        finally:
+            os.close(fd)
+
+    def _var_tree(self, root: int, args: list[str], fds: list[int], links: list) -> bool:
+        """The agent's /var with a /var/tmp of the verifier's own, when /var is a dir: each of its
+        entries bound on a small tmpfs of bwrap's (a mount point inside the agent's live /var could
+        be swapped for a link to anywhere while bwrap makes it). False when /var is something else."""
+        try:
+            var = os.open("var", _O_LIST, dir_fd=root)
+        except OSError:
+            return False
+        try:
+            args += ["--perms", "0755", "--size", str(1 << 20), "--tmpfs", "/var"]
+            for name in sorted(os.listdir(var)):
+                if name != "tmp":
+                    args += self._bind_entry(var, name, f"/var/{name}", fds, links, files=True)
+        finally:
+            os.close(var)
+        args += self._scratch("/var/tmp")
+        return True
 
     def _view_host(self, parts, links: Path | None = None) -> str:
         """The host path of a path of the agent's view (components): its copy-on-write dirs merged,
@@ -568,15 +635,21 @@ class BwrapSandbox(Sandbox):
         if self.child_pid is None or not self._alive():
             raise SandboxError(f"sandbox {self.id} is not running")
         timeout = self.clamp_timeout(timeout)
+        strict = self.cfg.verifier_mode == "strict"
+        if strict and not stop_pid_namespace(self.child_pid, self._holder):
+            why = "the agent's processes could not be stopped before the tests"
+            return VerifierRun(ExecResult("", f"verifier not run: {why}\n", 1), {}, why)
         self._verifications += 1
-        # Beside the state, not in it: reachable by the sandbox's root, in no agent mount namespace,
-        # and outside the agent's disk quota (a full disk cannot keep the tests from being copied).
+        # Beside the state, not in it: reachable by the sandbox's root, in no agent mount namespace.
+        # As host root, a tmpfs of the task's storage size: what the tests leave there neither
+        # fills the host's disk nor outlives the verification (an unmount removes it at once).
         vdir = self.stage / f"verifier-{self._verifications}"
         tests, logs = vdir / "tests", vdir / "logs"
         vlinks = vdir / "links"  # the verifier root's top-level links, for the link checks
         cg = None
+        fds: list[int] = []
         try:
-            shutil.copytree(tests_dir, tests, symlinks=True)
+            stage_tests(vdir, tests_dir, self.cfg.disk_mb, SUBID_BASE if self.is_root else None)
             plugin_env = write_verifier_python(tests)
             tests.chmod(0o700 if private else 0o755)
             (logs / "verifier").mkdir(parents=True)
@@ -587,32 +660,42 @@ class BwrapSandbox(Sandbox):
                 # Its own limits: a fork bomb the agent left running cannot starve the verifier.
                 cg = cgroup.Cgroup(f"{self.id}-v{self._verifications}")
                 cg.create(pids_max=self.cfg.pids_max, memory_mb=self.cfg.memory_mb, cpus=self.cfg.cpus)
+            tree, fds, nested = self._verifier_tree(tests, logs, vlinks)
+            # strict: a network namespace of its own (loopback up), unless the task has a link out.
+            own_net = strict and not self.cfg.network
             host_argv = (
                 self._host_prefix(cg)
-                + self._enter(("user", "net"))
+                + self._enter(("user",) if own_net else ("user", "net"))
                 + ["bwrap", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
-                + self._verifier_tree(tests, logs, vlinks)
+                + (["--unshare-net"] if own_net else [])
+                + tree
                 + self._command(
                     self.verifier_environment(verifier_guard.merge_env(plugin_env, env)), "/tests", list(argv)
                 )
+            )
+            host_of = functools.partial(self._view_host, links=vlinks)
+            nested_link = next(
+                (
+                    f"{dest} is a link into the verifier's own files ({where})"
+                    for dest, target in nested
+                    if (where := link_scan.reaches_verifier(host_of, dest.split("/")[1:-1], target))
+                ),
+                None,
             )
             # Links into the verifier's files: the watch sees those made from here on, the scans
             # those made before and left after.
             links = link_scan.LinkWatch(*self._link_roots(vlinks)).start()
             try:
-                shadow = podman_toolchain.shadow_scan(self.state) or self._link_scan(vlinks)
+                shadow = nested_link or podman_toolchain.shadow_scan(self.state) or self._link_scan(vlinks)
                 if shadow:
                     return VerifierRun(ExecResult("", f"verifier not run: {shadow}\n", 1), {}, shadow)
                 if not self.overlays:
-                    got = run_capped(
-                        host_argv, timeout=timeout, cap=self.cfg.max_output_bytes, env={"PATH": BASE_PATH}
-                    )
-                    self.exec_durations.append(got.duration_s)
+                    got = self._run_host(host_argv, timeout, fds)
                     # A shadowing module planted while the verifier ran (by a process the agent left).
                     tampered = (
                         links.stop() or podman_toolchain.shadow_scan(self.state) or self._link_scan(vlinks)
                     )
-                    return self._verifier_run(exec_result(got, self.cfg.max_output_bytes), logs, tampered)
+                    return self._verifier_run(got, logs, tampered)
                 # The verifier sees the agent's copy-on-write base, as under Docker: its toolchain is
                 # checked in the agent's upper dirs before, during and after (``podman_toolchain``).
                 lowers = self._lowers()
@@ -622,11 +705,7 @@ class BwrapSandbox(Sandbox):
                     if before:
                         result = ExecResult("", f"verifier not run: {before}\n", 1)
                     else:
-                        got = run_capped(
-                            host_argv, timeout=timeout, cap=self.cfg.max_output_bytes, env={"PATH": BASE_PATH}
-                        )
-                        self.exec_durations.append(got.duration_s)
-                        result = exec_result(got, self.cfg.max_output_bytes)
+                        result = self._run_host(host_argv, timeout, fds)
                 finally:
                     during = watch.stop()
                 tampered = (
@@ -643,10 +722,21 @@ class BwrapSandbox(Sandbox):
                 return VerifierRun(result, {}, tampered)
             return self._verifier_run(result, logs, tampered)
         finally:
+            _close_fds(fds)
             if cg is not None:
                 cg.kill_all()
                 cg.remove()
-            overlay.remove_unmounted_tree(vdir)
+            if not overlay.remove_unmounted_tree(vdir):
+                self._left_behind = True  # the stage's removal at close tries again
+
+    def _run_host(self, host_argv: list[str], timeout: float, fds: list[int]) -> ExecResult:
+        """Run a verifier's host command, passing it the fds its mounts bind from."""
+        got = run_capped(
+            host_argv, timeout=timeout, cap=self.cfg.max_output_bytes, env={"PATH": BASE_PATH}, pass_fds=fds
+        )
+        self.exec_durations.append(got.duration_s)
+        _close_fds(fds)
+        return exec_result(got, self.cfg.max_output_bytes)
 
     @staticmethod
     def _verifier_run(result: ExecResult, logs: Path, tampered: str | None) -> VerifierRun:
@@ -716,8 +806,8 @@ class BwrapSandbox(Sandbox):
         if self.cg is not None:
             self.cg.kill_all()
             self.cg.remove()
-        if self.is_root:
-            remove_stage(self.stage)
+        if self.is_root and not remove_stage(self.stage):
+            self._left_behind = True
 
     def memory_peak_bytes(self) -> int | None:
         return self.cg.memory_peak_bytes() if self.cg else None
@@ -744,6 +834,15 @@ def _symlinks(args) -> list[tuple[str, str]]:
     return [(args[i + 1], args[i + 2]) for i in range(len(args) - 2) if args[i] == "--symlink"]
 
 
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
+
+
 def _without_symlinks(args) -> list[str]:
     out, i = [], 0
     while i < len(args):
@@ -767,11 +866,12 @@ def _make_stage_root() -> None:
         os.chmod(STAGE_ROOT, 0o711)
 
 
-def remove_stage(stage: Path) -> None:
-    """Unmount everything under a sandbox's stage dir (deepest first) and remove it. The stage holds
-    binds of host dirs (``_reachable``); if one stays mounted the stage is left in place (and said so)
-    rather than deleted through it: a recursive delete there deletes the host's files."""
-    overlay.remove_unmounted_tree(stage)
+def remove_stage(stage: Path) -> bool:
+    """Unmount everything under a sandbox's stage dir (deepest first) and remove it; whether it is
+    gone. The stage holds binds of host dirs (``_reachable``); if one stays mounted the stage is left
+    in place (and said so) rather than deleted through it: a recursive delete there deletes the
+    host's files."""
+    return overlay.remove_unmounted_tree(stage)
 
 
 def _reachable_by_others(path: str) -> bool:

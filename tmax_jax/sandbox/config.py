@@ -13,6 +13,7 @@ from typing import Literal
 from tmax_jax.errors import ConfigError
 
 Backend = Literal["bwrap", "podman", "apptainer"]
+VERIFIER_MODES = ("strict", "harbor")
 
 # Directories every bwrap sandbox starts with (empty unless a layer fills them). The sandbox's root is
 # writable everywhere outside its read-only base (/usr, /etc, ...), as a container's is.
@@ -79,6 +80,13 @@ class SandboxConfig:
     cpus: CPU share (CFS quota), e.g. 1.0 = one core; in [0.01, 256] (0.01 = the kernel's smallest
       quota, 1 ms per 100 ms).
     network: False = no network namespace link at all (loopback only).
+    verifier_mode: what the verifier shares with the agent's processes (sandboxes/README.md).
+      ``strict`` (the default; ``train`` and ``run-task``): the agent's processes are stopped before
+      the tests run, and the verifier has a network namespace of its own (loopback only, or its own
+      link when ``network``), so nothing the agent left can answer for a helper the tests start.
+      ``harbor`` (``eval``'s default, as under Harbor/Docker): agent processes keep running and the
+      verifier joins the agent's network, so services the agent started answer the tests. In both,
+      the verifier's ``/tmp``, ``/var/tmp`` and ``/dev/shm`` are size-limited tmpfs of its own.
 
     Timeouts are finite, > 0 and at most 30 days; sizes and counts are positive integers with the
     upper bounds in ``_INT_BOUNDS``. A bad value is a ConfigError naming the field.
@@ -99,6 +107,7 @@ class SandboxConfig:
     cpus: float = 1.0
     nofile: int = 20000
     network: bool = False
+    verifier_mode: str = "strict"
     use_cgroups: bool = True
     # podman
     podman_runtime: str = "runc"
@@ -110,6 +119,10 @@ class SandboxConfig:
     def __post_init__(self):
         if self.backend not in ("bwrap", "podman", "apptainer"):
             raise ConfigError(f"sandbox.backend: {self.backend!r} is not one of bwrap, podman, apptainer")
+        if self.verifier_mode not in VERIFIER_MODES:
+            raise ConfigError(
+                f"sandbox.verifier_mode: {self.verifier_mode!r} is not one of {', '.join(VERIFIER_MODES)}"
+            )
         for name, (lo, hi) in _FLOAT_BOUNDS.items():
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real):

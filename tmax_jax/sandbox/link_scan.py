@@ -9,7 +9,8 @@ output, they would read their own. ``/proc/self/root/tests/...``, ``/proc/self/c
 ``find_link_into_verifier`` walks what the agent wrote and resolves each symlink there as the
 verifier's kernel would (through other links, ``..`` included; a missing component is taken
 lexically, since a process the agent left running could still create it). A link that reaches
-``/tests``, ``/logs``, ``/dev/fd`` or a ``/proc`` path through a process's ``root``, ``cwd``, ``fd``,
+``/tests``, ``/logs``, the verifier's scratch (``/tmp``, ``/var/tmp``, ``/dev/shm``), ``/dev/fd`` or a
+``/proc`` path through a process's ``root``, ``cwd``, ``fd``,
 ``map_files`` or ``exe`` is reported; links to ``/proc/mounts``, ``/dev/null``, ``/dev/stdout`` and the
 like are not. Both backends call it before and after a verification (``run_verifier``), and
 ``LinkWatch`` sees links made while the verifier runs.
@@ -23,8 +24,10 @@ from collections.abc import Callable, Iterable, Sequence
 
 from tmax_jax.sandbox import inotify
 
-# Places only the verifier's own files are: a path reaching one of these prefixes is reported.
-VERIFIER_DIRS = (("tests",), ("logs",), ("dev", "fd"))
+# Places only the verifier's own files are: a path reaching one of these prefixes is reported. Its
+# scratch dirs are its own too (tmpfs of its mount namespace): the tests' temporary files, a copy of
+# an expected output among them, are no more the agent's to link to than ``/tests``.
+VERIFIER_DIRS = (("tests",), ("logs",), ("dev", "fd"), ("dev", "shm"), ("tmp",), ("var", "tmp"))
 # /proc entries through which a process's root, working directory or open files are reached.
 PROC_DOORS = frozenset({"root", "cwd", "fd", "map_files", "exe"})
 MAX_HOPS = 40  # the kernel's own limit on links followed in one lookup

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -99,10 +98,12 @@ def readonly_bind(src: str, dst: str) -> None:
     _detached_bind(src, dst, attrs, 0, "making read-only the bind of")
 
 
-def mounts_under(path: str | os.PathLike) -> list[str] | None:
-    """Mount points strictly below ``path`` in this mount namespace, or None when
-    ``/proc/self/mountinfo`` cannot be read (then nothing below ``path`` may be assumed unmounted)."""
-    prefix = os.fspath(path).rstrip("/") + "/"
+def mounts_under(path: str | os.PathLike, including: bool = False) -> list[str] | None:
+    """Mount points strictly below ``path`` (and ``path`` itself when ``including``) in this mount
+    namespace, or None when ``/proc/self/mountinfo`` cannot be read (then nothing below ``path`` may be
+    assumed unmounted)."""
+    top = os.fspath(path).rstrip("/")
+    prefix = top + "/"
     try:
         with open("/proc/self/mountinfo", "rb") as f:
             lines = f.read().splitlines()
@@ -115,26 +116,40 @@ def mounts_under(path: str | os.PathLike) -> list[str] | None:
             continue
         # Spaces, tabs, newlines and backslashes in mount points are octal escapes (\040 ...).
         mp = fields[4].decode("unicode_escape").encode("latin-1").decode("utf-8", "surrogateescape")
-        if mp.startswith(prefix):
+        if mp.startswith(prefix) or (including and mp == top):
             out.append(mp)
     return out
 
 
 def remove_unmounted_tree(path: str | os.PathLike) -> bool:
-    """Lazily unmount every mount below ``path`` (deepest first), then delete ``path`` only if none is
-    left: a recursive delete through a bind that is still mounted deletes the host's files under its
-    source. Returns whether ``path`` was deleted. When a mount could not be detached or the mount
-    table could not be read, ``path`` is left in place and stderr says so, whoever the caller."""
-    points = mounts_under(path)
-    for mp in sorted(points or [], key=len, reverse=True):
-        subprocess.run(["umount", "-l", mp], capture_output=True)
-    left = mounts_under(path)
-    if left is None or left:
-        why = "the mount table is unreadable" if left is None else f"{len(left)} mount(s) still under it"
-        print(f"tmax-jax: {path} left in place, not deleted through its mounts ({why})", file=sys.stderr)
-        return False
-    shutil.rmtree(path, ignore_errors=True)
-    return True
+    """Lazily unmount every mount at or below ``path`` (deepest first), then delete ``path`` only if
+    none is left: a recursive delete through a bind that is still mounted deletes the host's files
+    under its source. Returns whether ``path`` is gone. Never raises: when a mount could not be
+    detached, the mount table could not be read or the delete failed, ``path`` is left in place and
+    stderr says so, whoever the caller (the sandbox's record then lets the stale sweep retry).
+
+    The delete is ``rm -rf --one-file-system``: it walks any depth without recursion in this
+    process (a chain of thousands of dirs a verifier left would overflow Python's stack in
+    ``shutil.rmtree``), never follows links and never crosses into another filesystem."""
+    try:
+        points = mounts_under(path, including=True)
+        for mp in sorted(points or [], key=len, reverse=True):
+            subprocess.run(["umount", "-l", mp], capture_output=True)
+        left = mounts_under(path, including=True)
+        if left is None or left:
+            why = "the mount table is unreadable" if left is None else f"{len(left)} mount(s) still under it"
+            print(f"tmax-jax: {path} left in place, not deleted through its mounts ({why})", file=sys.stderr)
+            return False
+        if not os.path.lexists(path):
+            return True
+        r = subprocess.run(["rm", "-rf", "--one-file-system", "--", os.fspath(path)], capture_output=True)
+        if not os.path.lexists(path):
+            return True
+        why = r.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"rm exit {r.returncode}"]
+    except Exception as e:  # noqa: BLE001 - a clean-up must never fail the episode it follows
+        why = [f"{type(e).__name__}: {e}"]
+    print(f"tmax-jax: could not remove {path}: {why[0]}", file=sys.stderr)
+    return False
 
 
 def hidden_entries(src: str, fresh: bool = False) -> tuple[str, ...]:

@@ -10,22 +10,24 @@ file handles denied (``seccomp_profile``). podman keeps ``/proc/sys`` read-only 
 are size-limited tmpfs; pids/memory/CPU limits per container; ``RLIMIT_FSIZE`` caps one file at
 ``disk_mb``. ``close`` removes the container, which kills every process in its PID namespace.
 Not isolated: the writable root filesystem's total size (an overlay on the host disk, as under
-Docker), and loopback/abstract sockets between the agent and the verifier (they share a network
-namespace on purpose).
+Docker), and, in ``harbor`` verifier mode, loopback/abstract sockets between the agent and the
+verifier (they share a network namespace on purpose).
 
 Verification (``run_verifier``): a second container, started for it, with its own PID, mount, IPC and
-user namespace and cgroup, the agent's network namespace (``--network container:<agent>``: services
-the agent left running answer), and the agent's live root filesystem as its root (``--rootfs`` on the
-overlay's merged dir, so the agent's files are seen as they are). ``/tests`` (a private copy of the
-task's tests, writable like Harbor's) and ``/logs/verifier`` (an empty host dir) are bind mounts of
-that container only; the reward files are read from the host dir. Agent processes keep running and
+user namespace and cgroup, its own empty ``/tmp``, ``/var/tmp`` and ``/dev/shm`` (size-limited
+tmpfs), and the agent's live root filesystem as its root (``--rootfs`` on the overlay's merged dir,
+so the agent's files are seen as they are). In ``harbor`` verifier mode it joins the agent's network
+namespace (``--network container:<agent>``: services the agent left running answer); in ``strict``
+(the default) every agent process but the container's init and ``sleep`` is killed first and the
+verifier has a network of its own. ``/tests`` (a private copy of the task's tests, writable like
+Harbor's) and ``/logs/verifier`` (an empty dir) are bind mounts of that container only, from a tmpfs
+of the task's storage size in the run dir; the reward files are read from there. Agent processes keep running and
 may still rewrite their own files while the tests run, as under Docker, but cannot see or signal
 the verifier's processes nor reach its ``/tests`` and ``/logs/verifier``: in the agent's namespace
 both paths are empty read-only mounts, so the agent cannot rename them away (which would detach the
 verifier's mounts) or put a symlink there. The verifier starts with ``VERIFIER_ENV`` (fixed PATH,
 ``HOME=/tests``, isolated Python start-up) in ``/tests``. What stays possible: agent code that the
-tests themselves import runs inside the verifier (as under Harbor); the verifier shares the agent's
-``/tmp`` (the root filesystem's) but not its ``/dev/shm``. ``podman_read_only`` sandboxes keep the
+tests themselves import runs inside the verifier (as under Harbor). ``podman_read_only`` sandboxes keep the
 agent's writes in tmpfs of its own mount namespace, so they cannot be verified (a clear error).
 
 Toolchain tampering is detected, not prevented (the agent's root filesystem is writable, as under
@@ -47,7 +49,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import signal
 import subprocess
 import tempfile
@@ -56,7 +57,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from tmax_jax.errors import SandboxError
-from tmax_jax.sandbox import link_scan, podman_toolchain, seccomp, verifier_guard
+from tmax_jax.sandbox import link_scan, overlay, podman_toolchain, seccomp, verifier_guard
 from tmax_jax.sandbox.base import (
     VERIFIER_ENV,
     VERIFIER_PYTHON_REL,
@@ -64,11 +65,12 @@ from tmax_jax.sandbox.base import (
     VerifierRun,
     exec_result,
     read_verifier_logs,
+    stage_tests,
     write_verifier_python,
 )
 from tmax_jax.sandbox.config import ExecResult, SandboxConfig
 from tmax_jax.sandbox.podman_images import PodmanImage, ensure_base_image
-from tmax_jax.sandbox.procs import kill_tree, run_capped, tool_env
+from tmax_jax.sandbox.procs import children, kill_tree, run_capped, stop_pid_namespace, tool_env
 
 # Container uid/gid 0..65535 are host ids 100000..165535: no host file or process belongs to them.
 ID_BASE = 100000
@@ -220,6 +222,7 @@ class PodmanSandbox(Sandbox):
         self.name = f"tmax-{self.id}"
         self._layers: tuple[str, str, list[str]] | None = None
         self._verifies = 0
+        self._holder: frozenset[int] = frozenset()
 
     def _owner_extra(self) -> dict:
         return {"container": self.name}
@@ -266,6 +269,21 @@ class PodmanSandbox(Sandbox):
         if r.returncode != 0:
             hint = " (podman_read_only: the image must have the workdir)" if cfg.podman_read_only else ""
             raise SandboxError(f"podman sandbox setup failed{hint}: {r.stderr.strip()[-500:]}")
+        # The container's init and its ``sleep`` (host pids), spared by a strict verifier's stop of
+        # the agent's processes.
+        r = subprocess.run(
+            ["podman", "inspect", "-f", "{{.State.Pid}}", self.name],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        try:
+            init = int(r.stdout.strip())
+        except ValueError:
+            raise SandboxError(
+                f"podman sandbox {self.name}: no init pid ({r.stderr.strip()[-300:]})"
+            ) from None
+        self._holder = frozenset({init, *children(init)})
 
     def host_env(self) -> dict[str, str]:
         return tool_env()
@@ -364,19 +382,26 @@ class PodmanSandbox(Sandbox):
             )
         limit = self.clamp_timeout(timeout)
         merged, upper, lowers = self.layers()
+        if self.cfg.verifier_mode == "strict" and not (
+            self._holder and stop_pid_namespace(min(self._holder), self._holder)
+        ):
+            why = "the agent's processes could not be stopped before the tests"
+            return VerifierRun(ExecResult("", f"verifier not run: {why}\n", 1), {}, why)
         self._verifies += 1
         vname = f"{self.name}-verify-{self._verifies}"
+        # A tmpfs of the task's storage size: what the tests leave in /tests and /logs neither fills
+        # the host's disk nor outlives the verification (an unmount removes it at once).
         vdir = self.run_dir / f"verify-{self._verifies}"
         tests, logs = vdir / "tests", vdir / "logs"
-        shutil.copytree(tests_dir, tests, symlinks=True)
-        env = verifier_guard.merge_env(write_verifier_python(tests), dict(env or {}))
-        logs.mkdir()
-        guard = vdir / "guard"
-        guard.mkdir()
-        # Owned by the container's root (a mapped uid), so that the verifier may write both.
-        _chown_tree(vdir, ID_BASE, ID_BASE)
-        tests.chmod(0o700 if private else 0o755)
         try:
+            stage_tests(vdir, tests_dir, self.cfg.disk_mb, ID_BASE)
+            env = verifier_guard.merge_env(write_verifier_python(tests), dict(env or {}))
+            logs.mkdir()
+            guard = vdir / "guard"
+            guard.mkdir()
+            # Owned by the container's root (a mapped uid), so that the verifier may write both.
+            _chown_tree(vdir, ID_BASE, ID_BASE)
+            tests.chmod(0o700 if private else 0o755)
             watch = podman_toolchain.Watch(upper).start()
             try:
                 links = link_scan.LinkWatch([(upper, ())], self._view_host(merged)).start()
@@ -410,7 +435,8 @@ class PodmanSandbox(Sandbox):
             tampered = tampered or guarded or verifier_guard.reward_files_problem(logs)
             return VerifierRun(result, read_verifier_logs(logs, VERIFY_LOG_CAP), tampered, suspect)
         finally:
-            shutil.rmtree(vdir, ignore_errors=True)
+            if not overlay.remove_unmounted_tree(vdir):
+                self._left_behind = True  # the run dir's removal at close tries again
 
     @staticmethod
     def _view_host(merged: str) -> link_scan.HostOf:
@@ -420,14 +446,25 @@ class PodmanSandbox(Sandbox):
         """A link the agent made (its layer) that leads the verifier into its own files, as a reason."""
         return link_scan.find_link_into_verifier([(upper, ())], self._view_host(merged))
 
+    def _verifier_network(self) -> str:
+        """harbor: the agent's network namespace (its services answer the tests); strict: one of
+        the verifier's own, loopback only unless the task has a link out."""
+        if self.cfg.verifier_mode == "harbor":
+            return f"container:{self.name}"
+        return "slirp4netns" if self.cfg.network else "none"
+
     def _run_verifier_container(self, vname, merged, tests, logs, argv, env, limit) -> ExecResult:
         full_env = {**VERIFIER_ENV, **(env or {})}
         args = [
             "podman", "run", "--rm", "--name", vname,
             "--label", f"tmax-jax.owner={os.getpid()}",
             *security_args(self.cfg),
-            "--network", f"container:{self.name}",
+            "--network", self._verifier_network(),
             "--hostname", "tmax-sandbox",
+            # Scratch of its own, empty (podman would copy the dir it covers up into it by default;
+            # ``/dev/shm`` is its own already: ``--shm-size``).
+            "--tmpfs", f"/tmp:rw,size={self.cfg.disk_mb}m,mode=1777,notmpcopyup",
+            "--tmpfs", f"/var/tmp:rw,size={self.cfg.disk_mb}m,mode=1777,notmpcopyup",
             # A hard stop that holds even if this process dies mid-verification.
             f"--timeout={math.ceil(limit) + 30}",
             "-v", f"{tests}:/tests", "-v", f"{logs}:/logs/verifier",

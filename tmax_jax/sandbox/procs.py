@@ -72,6 +72,16 @@ def descendants(pid: int, pmap: dict[int, int] | None = None) -> list[int]:
     return out
 
 
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid`` (one read of its ``children`` file; a walk of /proc without)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except (OSError, ValueError):
+        pmap = parent_map()
+        return [c for c, p in pmap.items() if p == pid]
+
+
 def kill_tree(pid: int, include_self: bool = True, sig: int = signal.SIGKILL) -> None:
     """SIGKILL a process, its process group and every descendant (two passes to catch late forks)."""
     for _ in range(2):
@@ -98,6 +108,37 @@ def pid_alive(pid: int) -> bool:
     return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z"
 
 
+def stop_pid_namespace(member: int, keep: frozenset[int], timeout: float = 5.0) -> bool:
+    """SIGKILL every process in ``member``'s pid namespace but those in ``keep`` (host pids: the
+    namespace's init and what holds it open), pass after pass until none is left (a process may fork
+    while we kill). Returns whether none is left; False also when the namespace cannot be read."""
+    try:
+        ns = os.readlink(f"/proc/{member}/ns/pid")
+    except OSError:
+        return False
+    deadline = time.monotonic() + timeout
+    while True:
+        victims = []
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or int(name) in keep:
+                continue
+            try:
+                if os.readlink(f"/proc/{name}/ns/pid") == ns and pid_alive(int(name)):
+                    victims.append(int(name))
+            except OSError:
+                continue  # gone, or a zombie: it holds nothing
+        if not victims:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        for p in victims:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.005)
+
+
 @dataclass
 class Captured:
     stdout: bytes
@@ -117,12 +158,14 @@ def run_capped(
     env: dict[str, str] | None = None,
     on_kill: Callable[[subprocess.Popen], None] | None = None,
     cap_stdout: bool = True,
+    pass_fds: Sequence[int] = (),
 ) -> Captured:
     """Run ``argv`` on the host, reading stdout/stderr with a combined cap and a wall-time limit.
 
     On timeout (exit 124) or when the output passes ``cap`` bytes (exit 137, truncated), the whole
     process tree is killed (and ``on_kill`` runs, for backends whose processes are not our children).
-    ``cap_stdout=False`` keeps all of stdout (for file downloads) but still caps stderr.
+    ``cap_stdout=False`` keeps all of stdout (for file downloads) but still caps stderr. ``pass_fds``:
+    open fds the command inherits (bwrap binds directories from them).
     """
     t0 = time.monotonic()
     proc = subprocess.Popen(
@@ -133,6 +176,7 @@ def run_capped(
         env=env,
         start_new_session=True,
         close_fds=True,
+        pass_fds=tuple(pass_fds),
     )
     if stdin is not None:
 

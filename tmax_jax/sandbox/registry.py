@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -104,8 +105,9 @@ def owner_alive(rec: dict) -> bool:
     return bool(pid) and pid_alive(pid) and _proc_start_ticks(pid) == rec.get("start_ticks")
 
 
-def cleanup_record(run_dir: Path, rec: dict) -> None:
-    """Remove everything one sandbox record names: container, cgroup, mount, dir."""
+def cleanup_record(run_dir: Path, rec: dict) -> bool:
+    """Remove everything one sandbox record names: container, cgroup, mount, dir. Returns whether
+    its dirs are gone (a failure is said on stderr; ``keep_for_sweep`` leaves a record to retry)."""
     if rec.get("container"):
         subprocess.run(
             ["podman", "rm", "-f", "-t", "0", rec["container"]],
@@ -124,17 +126,29 @@ def cleanup_record(run_dir: Path, rec: dict) -> None:
         cg = cgroup.Cgroup(rec["cgroup"])
         cg.kill_all()
         cg.remove()
+    done = True
     if rec.get("stage"):
         from tmax_jax.sandbox.bwrap import remove_stage
 
-        remove_stage(Path(rec["stage"]))
+        done = remove_stage(Path(rec["stage"]))
     # Unmounts what is mounted under the run dir (its state dir among them) and deletes it only
     # when nothing is left: never a recursive delete through a staged bind of a host dir.
-    remove_unmounted_tree(run_dir)
+    return remove_unmounted_tree(run_dir) and done
+
+
+def keep_for_sweep(run_dir: Path, rec: dict) -> None:
+    """Leave ``rec`` (marked closed) in ``run_dir`` for ``sweep_stale`` to retry a clean-up that
+    failed, even while its owner still runs."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "owner.json").write_text(json.dumps({**rec, "closed": True}))
+    except OSError as e:
+        print(f"tmax-jax: cannot record {run_dir} for a later clean-up: {e}", file=sys.stderr)
 
 
 def sweep_stale(run_root: Path) -> int:
-    """Clean the sandboxes under ``run_root`` whose owner process is gone. Returns how many."""
+    """Clean the sandboxes under ``run_root`` whose owner process is gone or that were closed with
+    something left behind. Returns how many."""
     n = 0
     try:
         entries = list(run_root.iterdir())
@@ -145,8 +159,9 @@ def sweep_stale(run_root: Path) -> int:
             rec = json.loads((d / "owner.json").read_text())
         except (OSError, ValueError):
             continue
-        if owner_alive(rec):
+        if owner_alive(rec) and not rec.get("closed"):
             continue
-        cleanup_record(d, rec)
+        if not cleanup_record(d, rec):
+            keep_for_sweep(d, rec)
         n += 1
     return n

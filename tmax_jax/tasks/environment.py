@@ -142,5 +142,7 @@ def sandbox_config_for(task: Task, cfg: SandboxConfig) -> SandboxConfig:
         memory_mb=lim.memory_mb,
         disk_mb=lim.storage_mb,
         network=lim.allow_internet and cfg.network,
+        # A task whose tests check the agent's services is verified as under Harbor.
+        verifier_mode="harbor" if lim.agent_services else cfg.verifier_mode,
         episode_timeout_s=lim.agent_timeout_s + lim.verifier_timeout_s + 120.0,
     )

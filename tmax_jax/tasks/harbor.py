@@ -125,6 +125,7 @@ def load_harbor(path: Path) -> Task:
         (env, "environment", ("memory", "memory_mb", "memory_limit"), "memory_mb", memory_mb),
         (env, "environment", ("storage", "storage_mb", "disk"), "storage_mb", storage_mb),
         (env, "environment", ("allow_internet", "network", "internet"), "allow_internet", boolean),
+        (ver, "verifier", ("agent_services",), "agent_services", boolean),
     )
     for sec, sec_name, keys, dest, check in fields:
         if dest in limits or not (kv := _first(sec, keys)):

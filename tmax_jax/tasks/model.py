@@ -23,7 +23,10 @@ class TaskLimits:
     """Per-task limits, each validated (finite, within the bounds above) wherever it came from.
 
     Timeouts: seconds, in (0, 7 days]. cpus: in [0.01, 256]. memory_mb: [16 MB, 1 TiB].
-    storage_mb: [1 MB, 16 TiB].
+    storage_mb: [1 MB, 16 TiB]. agent_services: the tests check services the agent leaves running
+    (Harbor's ``[verifier] agent_services``, TMAX's ``limits.agent_services``): the task is verified
+    with Harbor's semantics (``SandboxConfig.verifier_mode = "harbor"``) whatever the run's mode, so
+    its tests must start no helper of their own that an agent's process could stand in for.
     """
 
     agent_timeout_s: float = 900.0
@@ -33,6 +36,7 @@ class TaskLimits:
     memory_mb: int = 2048
     storage_mb: int = 4096
     allow_internet: bool = False
+    agent_services: bool = False
 
     def __post_init__(self):
         for name in ("agent_timeout_s", "verifier_timeout_s", "build_timeout_s"):
@@ -40,10 +44,9 @@ class TaskLimits:
         object.__setattr__(self, "cpus", cpu_count(self.cpus, "task limits: cpus"))
         object.__setattr__(self, "memory_mb", memory_mb(self.memory_mb, "task limits: memory_mb"))
         object.__setattr__(self, "storage_mb", storage_mb(self.storage_mb, "task limits: storage_mb"))
-        if not isinstance(self.allow_internet, bool):
-            raise TaskFormatError(
-                f"task limits: allow_internet must be true/false, got {self.allow_internet!r}"
-            )
+        for name in ("allow_internet", "agent_services"):
+            if not isinstance(getattr(self, name), bool):
+                raise TaskFormatError(f"task limits: {name} must be true/false, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
 """Run one task end to end: environment, initial-state test, agent (or oracle), verifier -> reward.
 
-Harbor order: the agent works first; then ``tests/test.sh`` runs through ``Sandbox.run_verifier``:
-over the agent's files and network (services the agent started keep running, as under Harbor), but
-with ``/tests`` and ``/logs/verifier`` in the verifier's own mount namespace and its processes out of
-the agent's sight, so nothing the agent runs can read the tests or write the reward. The reward is
+Harbor order: the agent works first; then ``tests/test.sh`` runs through ``Sandbox.run_verifier``
+over the agent's files, with ``/tests``, ``/logs/verifier`` and its scratch dirs in the verifier's
+own mount namespace and its processes out of the agent's sight, so nothing the agent runs can read
+the tests or write the reward. ``SandboxConfig.verifier_mode``: ``strict`` (the default) stops the
+agent's processes first and gives the verifier a network of its own; ``harbor`` (and a task that
+declares ``agent_services``) keeps them running on the agent's network, as under Harbor. The reward is
 ``/logs/verifier/reward.txt`` or ``reward.json`` under the contract of ``tasks/reward.py``. TMAX: the
 initial-state test runs before the agent (a failure means a broken task: reward 0), and the verifier
 is ``pytest test_final_state.py`` (reward 1 when it passes, or the graded reward it writes).

@@ -4,7 +4,8 @@
 
 task.json: ``prompt`` (or ``instruction``/``description``), optional ``name``, ``truth`` (the expected
 answer, for graders), ``axes`` (or ``signature``: the sampled task axes) and ``limits`` with any of
-agent_timeout_sec, verifier_timeout_sec, build_timeout_sec, cpus, memory, storage, allow_internet.
+agent_timeout_sec, verifier_timeout_sec, build_timeout_sec, cpus, memory, storage, allow_internet,
+agent_services.
 setup.sh runs at build time in ``/tmp/tmax-setup`` (a copy of setup.sh and fixtures/; env
 ``FIXTURES_DIR``), after container.def's %files/%post; whatever it writes to the writable paths
 becomes the environment. The oracle is ``solutions/solve.sh``.
@@ -36,6 +37,7 @@ LIMIT_KEYS = {
     "memory": ("memory_mb", memory_mb),
     "storage": ("storage_mb", storage_mb),
     "allow_internet": ("allow_internet", boolean),
+    "agent_services": ("agent_services", boolean),
 }
 
 

@@ -180,6 +180,7 @@ class HttpAndTcpService(Family):
             self.name, prompt, solve, check, files_exist_test([], [f"{w}/server.py"]), f"mkdir -p {w}\n", {}
         )
         draft.params = {"http_port": p1, "tcp_port": p2, "name": name}
+        draft.limits = {"agent_services": True}  # the tests talk to the agent's service
         return draft
 
 

@@ -21,7 +21,8 @@ def write_harbor_dir(draft: TaskDraft, sig: dict[str, str], out: Path, name: str
     (out / "instruction.md").write_text(draft.prompt + "\n")
     meta = {"name": name, "family": draft.family, "seed": seed, **{f"axis_{k}": v for k, v in sig.items()}}
     toml = 'version = "1.0"\n\n[metadata]\n' + "".join(f"{k} = {json.dumps(v)}\n" for k, v in meta.items())
-    toml += '\n[verifier]\ntimeout_sec = 120.0\n\n[agent]\ntimeout_sec = 300.0\n\n[environment]\ncpus = 1\nmemory = "2G"\nstorage = "2G"\nallow_internet = false\n'
+    services = "agent_services = true\n" if draft.limits.get("agent_services") else ""
+    toml += f'\n[verifier]\ntimeout_sec = 120.0\n{services}\n[agent]\ntimeout_sec = 300.0\n\n[environment]\ncpus = 1\nmemory = "2G"\nstorage = "2G"\nallow_internet = false\n'
     (out / "task.toml").write_text(toml)
     env = out / "environment"
     (env / "fixtures").mkdir(parents=True)
