@@ -274,6 +274,7 @@ class PodmanSandbox(Sandbox):
         r = subprocess.run(
             ["podman", "inspect", "-f", "{{.State.Pid}}", self.name],
             capture_output=True,
+            env=tool_env(),
             text=True,
             timeout=60,
         )
