@@ -119,9 +119,10 @@ def _dims(shape: str) -> list[int] | None:
     return [int(d) for d in m.group(1).split(",") if d] if m else None
 
 
-def matmul_flops(hlo: str) -> float:
+def matmul_flops(hlo: str, unknown_trips: int = 1) -> float:
     """Dot FLOPs of a compiled module, each computation weighted by how often it runs: a while body
-    by its loop's ``known_trip_count`` (1 where XLA does not know it), anything called once each."""
+    by its loop's ``known_trip_count`` (``unknown_trips`` where XLA does not know it), anything
+    called once each."""
     headers = {
         m.group(1): m.group(2)
         for m in re.finditer(r"^(?:ENTRY )?%([\w.\-]+) \((.*?)\) -> .*? \{$", hlo, re.M)
@@ -149,7 +150,7 @@ def matmul_flops(hlo: str) -> float:
             if " while(" in line:
                 trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
                 body = re.search(r"body=%([\w.\-]+)", line).group(1)
-                total += (int(trip.group(1)) if trip else 1) * work(body)
+                total += (int(trip.group(1)) if trip else unknown_trips) * work(body)
                 continue
             for m2 in _CALLS.finditer(line):
                 for callee in m2.group(1).split(","):
@@ -169,7 +170,7 @@ def matmul_params(state_params) -> int:
 
 
 # --------------------------------------------------------------------------- one configuration
-def analyse(cfg, rows: int, seq: int, remat: str, policy: str, accelerator: str, show: str = "") -> dict:
+def analyse(cfg, rows, seq, remat, policy, accelerator, show: str = "", dump: str = "") -> dict:
     os.environ[numerics.PRECISION_ENV] = policy
     real = numerics.f32_matmul_precision
     numerics.f32_matmul_precision = lambda backend=None: real(accelerator)
@@ -192,7 +193,13 @@ def analyse(cfg, rows: int, seq: int, remat: str, policy: str, accelerator: str,
             lowered = fn.lower(state, batch)
         classes = dot_classes(lowered.as_text(debug_info=bool(show)), show)
         compiled = lowered.compile()
-        flops = matmul_flops(compiled.as_text())
+        hlo = compiled.as_text()
+        # The one loop whose trip count XLA cannot know is the head's, over the response's chunks
+        # (it stops at the last response token); the benchmark's responses run to the end.
+        flops = matmul_flops(hlo, -(-seq // rl.loss.logprob_chunk))
+        if dump:
+            Path(dump).mkdir(parents=True, exist_ok=True)
+            (Path(dump) / f"train_step-{remat}-{policy}.hlo.txt").write_text(hlo)
         mem = compiled.memory_analysis()
         n = matmul_params(state.params)
     finally:
@@ -218,6 +225,7 @@ def main() -> None:
     p.add_argument("--remat", default="full", help="comma-separated remat settings")
     p.add_argument("--policies", default="float32,mixed", help="comma-separated TMAX_JAX_PRECISION values")
     p.add_argument("--accelerator", default="tpu", help="whose float32-matmul precision to put in")
+    p.add_argument("--dump", default="", help="a directory for the compiled HLO of each configuration")
     p.add_argument("--show", default="", help="a dot class (e.g. f32xf32/highest) to count by source op")
     args = p.parse_args()
     cfg = small_config(args.layers, args.preset)
@@ -227,7 +235,7 @@ def main() -> None:
     )
     for remat in args.remat.split(","):
         for policy in args.policies.split(","):
-            r = analyse(cfg, args.rows, args.seq, remat, policy, args.accelerator, args.show)
+            r = analyse(cfg, args.rows, args.seq, remat, policy, args.accelerator, args.show, args.dump)
             f32_highest = r["classes"]["f32xf32/highest"]
             print(
                 f"remat={remat:7s} policy={policy:8s} f32-highest dots {f32_highest:4d}; all dots "
