@@ -237,7 +237,10 @@ def test_bfloat16_inputs_give_float32_outputs_and_bfloat16_gradients(monkeypatch
     assert o.dtype == jnp.float32 and s.dtype == jnp.float32
     ref_o, ref_s = numpy_delta_rule(*rounded, g, beta, s0)
     for got, ref in ((o, ref_o), (s, ref_s)):
-        np.testing.assert_allclose(got, ref, atol=value_tol * np.abs(ref).max(), rtol=value_tol)
+        if policy == "float32":  # the state and the math stay float32
+            np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-4)
+        else:
+            np.testing.assert_allclose(got, ref, atol=value_tol * np.abs(ref).max(), rtol=value_tol)
     d_out, d_final = _cotangents(11, q, v, s0)
     got = _grads(chunked_gated_delta_rule, (*bf, g, beta, s0), d_out, d_final, chunk_size=16)
     want = numpy_forward_backward(*rounded, g, beta, s0, None, d_out, d_final)[2]
