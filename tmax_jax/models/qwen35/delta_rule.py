@@ -565,7 +565,8 @@ def chunked_gated_delta_rule(
     dtype here, and no float32 ``[B, T, H, dv]`` buffer (nor its float32 cotangent) exists.
 
     The initial state belongs to group 0: tokens of group 0 read it, others start from zero. Inputs may
-    be bfloat16 (each block is cast to float32 as it is used); gradients come back in the inputs' dtypes.
+    be bfloat16 (each block is cast to float32 as it is used; under the "mixed" policy the matmuls take
+    bfloat16 operands, ``_operand_dtype``); gradients come back in the inputs' dtypes.
     """
     check_shapes(
         q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH, beta_BxTxH, initial_state_BxHxKxV, groups_BxT, chunk_size
