@@ -493,7 +493,8 @@ def part_train(args):
     n_matmul = n_params - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
     say(
         f"[train {size}] {n_params / 1e6:.1f}M params, kernels={cfg.kernels}, "
-        f"attention_kernels={cfg.attention_kernels}, remat={args.remat}, {jax.devices()[0].device_kind}"
+        f"attention_kernels={cfg.attention_kernels}, remat={args.remat}, precision={precision_setting()}, "
+        f"{jax.devices()[0].device_kind}"
     )
     for tokens in token_counts:
         attempt(f"train {size} {tokens}", _train_one, args, cfg, step, holder, n_matmul, tokens, size)
@@ -517,6 +518,12 @@ def _train_one(args, cfg, step, holder, n_matmul, tokens, size):
     else:
         line += "  MFU n/a (no accelerator)"
     say(line + f"  peak memory so far {gib(peak_bytes())}")
+
+
+def precision_setting() -> str:
+    from tmax_jax.models.qwen35.numerics import precision_policy
+
+    return precision_policy()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -591,7 +598,8 @@ def part_profile(args):
         state, m = step(state, batch)
         jax.block_until_ready(m["loss"])
     say(
-        f"[profile {size}] {tokens} tokens, kernels={cfg.kernels}: one traced step {time.perf_counter() - t0:.2f}s"
+        f"[profile {size}] {tokens} tokens, kernels={cfg.kernels}, precision={precision_setting()}, "
+        f"remat={args.remat}: one traced step {time.perf_counter() - t0:.2f}s"
     )
     for line in summarize_trace(trace_dir):
         say(f"[profile {size}] {line}")
@@ -599,7 +607,8 @@ def part_profile(args):
     if out:
         for p in glob_traces(trace_dir):
             if os.path.getsize(p) < 15 << 20:
-                shutil.copy(p, os.path.join(out, f"profile-{size}-{tokens}.json.gz"))
+                name = f"profile-{size}-{tokens}-{precision_setting()}-{args.remat}.json.gz"
+                shutil.copy(p, os.path.join(out, name))
 
 
 def glob_traces(trace_dir):
@@ -726,16 +735,26 @@ def main():
         "delta rule's float32 matmuls",
     )
     ap.add_argument(
+        "--precision",
+        default=None,
+        choices=["mixed", "float32"],
+        help="TMAX_JAX_PRECISION for this part: mixed (bf16 delta-rule operands, a three-pass head) or "
+        "float32 (every delta-rule matmul and the head at TMAX_JAX_F32_DOT: the policy before)",
+    )
+    ap.add_argument(
         "--smoke", action="store_true", help="tiny sizes; runs on CPU (kernels in interpret mode)"
     )
     args = ap.parse_args()
     if args.f32_dot is not None:
         os.environ["TMAX_JAX_F32_DOT"] = args.f32_dot
-    from tmax_jax.models.qwen35.numerics import f32_dot_setting
+    if args.precision is not None:
+        os.environ["TMAX_JAX_PRECISION"] = args.precision
+    from tmax_jax.models.qwen35.numerics import f32_dot_setting, head_dot_setting
 
     say(
         f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}, "
-        f"TMAX_JAX_F32_DOT={f32_dot_setting()}"
+        f"TMAX_JAX_F32_DOT={f32_dot_setting()}, TMAX_JAX_PRECISION={precision_setting()}, "
+        f"head={head_dot_setting()}"
     )
     {
         "check": part_check,

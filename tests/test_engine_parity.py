@@ -124,3 +124,28 @@ def test_bfloat16_logprob_gap(ckpt, prompts):
     # Both sides round activations to bf16 at different points (decode vs full forward), so they
     # differ by bf16 noise; an indexing or temperature bug would be off by whole nats.
     assert gap.mean() < 0.05 and gap.max() < 0.5
+
+
+def test_bfloat16_compute_with_float32_params(ckpt, prompts):
+    """A bf16-compute model with float32 parameters (the trainer's): the engine keeps the layers'
+    matmul weights in bf16 (the cast each layer makes anyway) and the norms, gates and head in
+    float32; its logprobs stay within bf16 noise of the trainer's recompute."""
+    from tmax_jax.engine import Engine
+    from tmax_jax.models.qwen35 import Qwen35ForCausalLM
+
+    ref = load_hf(ckpt)
+    model = Qwen35ForCausalLM(ref.config, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    nnx.update(model, nnx.state(ref))
+    engine = Engine(model, max_concurrent_decodes=2, max_cache_length=64, max_prefill_length=32)
+    dtypes = {
+        jax.tree_util.keystr(path): a.dtype for path, a in jax.tree_util.tree_leaves_with_path(engine.params)
+    }
+    assert any("in_proj_qkv" in k for k in dtypes) and any("q_proj" in k for k in dtypes)
+    for key, dtype in dtypes.items():
+        matmul = any(n in key for n in ("_proj", "conv_weight"))
+        assert dtype == (jnp.bfloat16 if matmul else jnp.float32), key
+    outs = generate(model, prompts, max_new_tokens=NEW, temperature=1.0, seed=9, cache_dtype=jnp.bfloat16)
+    gap = np.concatenate(
+        [np.abs(np.asarray(o.logprobs) - r) for o, r in zip(outs, teacher_forced(model, prompts, outs, 1.0))]
+    )
+    assert gap.mean() < 0.05 and gap.max() < 0.5

@@ -252,3 +252,32 @@ def test_attention_kernels_choice_by_backend_and_config():
         cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=__import__("flax").nnx.Rngs(0)
     )
     assert layer.kernels == "pallas"
+
+
+@pytest.mark.parametrize("axis", [2, 3])
+def test_write_rows_matches_a_dropping_scatter(axis):
+    """The decode cache's row-wise write: row b's valid tokens at start[b] + t, pads and positions
+    past the cache untouched, for both cache layouts (positions on axis 2 or 3) and T = 1, 3."""
+    from tmax_jax.models.qwen35.attention import write_rows
+
+    rng = np.random.default_rng(0)
+    B, G, E, S = 5, 2, 3, 8
+    shape = (B, G, S, E) if axis == 2 else (B, G, E, S)
+    cache = jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+    for T in (1, 3):
+        new_shape = list(shape)
+        new_shape[axis] = T
+        new = jnp.asarray(rng.normal(size=new_shape), jnp.float32)
+        start = jnp.asarray([0, 4, S - 2, S, S - 1][:B], jnp.int32)  # the last two run off the end
+        valid = jnp.asarray(rng.random((B, T)) > 0.3)
+        want = np.asarray(cache, np.float32).copy()
+        for b in range(B):
+            for t in range(T):
+                if valid[b, t] and start[b] + t < S:
+                    src = np.take(np.asarray(new[b].astype(jnp.bfloat16), np.float32), t, axis=axis - 1)
+                    idx = [b, slice(None), slice(None), slice(None)]
+                    idx[axis] = int(start[b]) + t
+                    want[tuple(idx)] = src
+        got = jax.jit(write_rows, static_argnames="axis")(cache, new, start, valid, axis=axis)
+        assert got.dtype == cache.dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), want)

@@ -113,6 +113,46 @@ class PeriodParams(struct.PyTreeNode):
     periods: tuple
 
 
+# Weights every layer casts to its compute dtype before each use (its matmuls, the conv): the engine
+# keeps them in that dtype, so decode streams half the bytes of float32 parameters and computes the
+# same values as the trainer, whose cast gives the same numbers. Norms, gates' float32 parameters and
+# the float32 head keep the parameters' dtype.
+_COMPUTE_DTYPE_WEIGHTS = frozenset(
+    {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "in_proj_qkv",
+        "in_proj_z",
+        "in_proj_b",
+        "in_proj_a",
+        "conv_weight",
+        "out_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "gate_up_proj",
+        "router",
+        "shared_expert_gate",
+    }
+)
+
+
+def _in_compute_dtype(tree: Any, dtype: Any) -> Any:
+    """``tree`` with the ``_COMPUTE_DTYPE_WEIGHTS`` leaves wider than ``dtype`` cast to it."""
+    if dtype is None:
+        return tree
+    dtype = jnp.dtype(dtype)
+
+    def cast(path, a):
+        names = {str(getattr(k, "key", getattr(k, "name", k))) for k in path}
+        wide = jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize > dtype.itemsize
+        return a.astype(dtype) if wide and names & _COMPUTE_DTYPE_WEIGHTS else a
+
+    return jax.tree_util.tree_map_with_path(cast, tree)
+
+
 def _rest(state: Any) -> nnx.State:
     """The model's state without its block stack (``PeriodParams.rest``)."""
     return nnx.State({k: v for k, v in state.items() if k != "blocks"})
@@ -279,6 +319,14 @@ class Engine(EngineAPI):
         self._unstack_jit = launch.jit(self._unstack_impl)
         self._own_periods_jit = launch.jit(self._own_periods_impl)
         self._copy_jit = launch.jit(lambda tree: jax.tree.map(jnp.copy, tree))
+        # The compute dtype the layers cast their matmul weights to, where it is narrower than theirs.
+        dtype = getattr(model, "dtype", None)
+        wide = [a.dtype for a in jax.tree.leaves(state) if jnp.issubdtype(a.dtype, jnp.floating)]
+        narrow = dtype is not None and any(jnp.dtype(d).itemsize > jnp.dtype(dtype).itemsize for d in wide)
+        self._compute_dtype = jnp.dtype(dtype) if narrow else None
+        self._cast_jit = launch.jit(
+            lambda tree: jax.tree.map(jnp.copy, _in_compute_dtype(tree, self._compute_dtype))
+        )
         self._params = self._engine_params(state)
         self._source = _leaf_refs(jax.tree.leaves(state))
         self._version = 0
@@ -444,15 +492,20 @@ class Engine(EngineAPI):
             return self._version
 
     def _engine_params(self, state: Any, copy: bool = False) -> Any:
-        """The model's state in the engine's form (``PeriodParams`` when unrolling periods); with
-        ``copy``, every leaf in a new buffer (one program)."""
-        if not self._unroll or isinstance(state, PeriodParams):
+        """The model's state in the engine's form (``PeriodParams`` when unrolling periods, the
+        layers' matmul weights in the compute dtype: ``_in_compute_dtype``); with ``copy``, every
+        leaf in a new buffer (one program)."""
+        if isinstance(state, PeriodParams):
             return self._copy_jit(state) if copy else state
+        if not self._unroll:
+            narrow = self._compute_dtype is not None
+            return self._cast_jit(state) if (copy or narrow) else state
         if copy:
             return self._own_periods_jit(state)
         return PeriodParams(rest=_rest(state), periods=self._unstack_jit(state["blocks"]))
 
     def _unstack_impl(self, blocks):
+        blocks = _in_compute_dtype(blocks, self._compute_dtype)
         return tuple(jax.tree.map(lambda a, g=g: a[g], blocks) for g in range(self._num_periods))
 
     def _own_periods_impl(self, state):

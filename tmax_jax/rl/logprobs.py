@@ -34,13 +34,16 @@ class LogprobInputError(TmaxError, ValueError):
 
 
 def head_precision():
-    """The one precision policy of the float32 head: the float32-matmul policy of the layer stack
-    (``numerics.f32_matmul_precision``: ``TMAX_JAX_F32_DOT``'s algorithm on accelerators, default
-    HIGHEST, whose default f32 dot may round inputs; the default on CPU, whose f32 dot is exact)."""
+    """The one precision policy of the float32 head: where the layer stack's float32 matmuls need an
+    explicit precision (``numerics.f32_matmul_precision``: accelerators), ``numerics.head_dot_setting``'s
+    algorithm (three bfloat16 passes summed in float32 unless ``TMAX_JAX_F32_DOT`` or the "float32"
+    policy says otherwise); else (CPU, whose f32 dot is exact) the default."""
     # Imported here: the models package imports this module.
-    from tmax_jax.models.qwen35.numerics import f32_matmul_precision
+    from tmax_jax.models.qwen35.numerics import F32_DOT_ALGORITHMS, f32_matmul_precision, head_dot_setting
 
-    return f32_matmul_precision()
+    if f32_matmul_precision() is None:
+        return None
+    return F32_DOT_ALGORITHMS[head_dot_setting()]
 
 
 def head_logits(hidden_NxD: jax.Array, lm_head_DxV: jax.Array, *, vd: bool = False) -> jax.Array:

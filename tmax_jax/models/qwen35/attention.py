@@ -270,6 +270,44 @@ def masked_attention(
     return flash_attention(q_BxTxGxRxE, k_BxSxGxE, v_BxSxGxE, q_idx_BxT, q_seg_BxT, k_idx_S, k_seg_BxS, bq, b)
 
 
+def write_rows(cache: jax.Array, new: jax.Array, start_B: jax.Array, valid_BxT: jax.Array, axis: int):
+    """``cache`` with row b's ``new[b]`` written along ``axis`` (positions) from ``start_B[b]`` on,
+    where ``valid_BxT`` (pads and positions past the cache are left as they were).
+
+    ``cache [B, ...]``, ``new [B, ...]`` with T positions along ``axis``. One dynamic update slice per
+    row, in a loop over rows: an update XLA does in place in the donated buffer. A scatter
+    (``.at[rows, ..., positions].set``) gets its own layout on TPU, so XLA copied the whole cache
+    into and out of the decode loop, and on CPU a 16-bit scatter runs on a float32 copy.
+    """
+    B, T, S = cache.shape[0], new.shape[axis], cache.shape[axis]
+    if T > S:  # more new tokens than the cache holds: only a scatter drops the overflow
+        pos_BxT = jnp.where(valid_BxT, start_B[:, None] + jnp.arange(T)[None, :], S)
+        at = [jnp.arange(B)[:, None]] + [slice(None)] * (axis - 1) + [pos_BxT]
+        return cache.at[tuple(at)].set(jnp.moveaxis(new, axis, 1).astype(cache.dtype), mode="drop")
+    new = new.astype(cache.dtype)
+    window = [1, *cache.shape[1:]]
+    window[axis] = T
+    valid_BxT = jnp.broadcast_to(valid_BxT, (B, T))
+
+    def row(b, buf):
+        start = start_B[b]
+        at = jnp.minimum(start, S - T)  # a window that fits; the tokens it shifts past S are dropped
+        offset = at + jnp.arange(T) - start  # which new token each window position holds
+        keep = (offset >= 0) & (offset < T) & valid_BxT[b, jnp.clip(offset, 0, T - 1)]
+        idx = [b] + [0] * (cache.ndim - 1)
+        idx[axis] = at
+        old = jax.lax.dynamic_slice(buf, idx, window)
+        src = jnp.take(
+            jax.lax.dynamic_index_in_dim(new, b, 0, keepdims=False), jnp.clip(offset, 0, T - 1), axis=axis - 1
+        )
+        shape = [1] * cache.ndim
+        shape[axis] = T
+        upd = jnp.where(keep.reshape(shape), src[None], old)
+        return jax.lax.dynamic_update_slice(buf, upd, idx)
+
+    return jax.lax.fori_loop(0, B, row, cache)
+
+
 class GatedAttention(nnx.Module):
     def __init__(self, cfg: Qwen35Config, *, dtype, param_dtype, rngs: nnx.Rngs, stack: int | None = None):
         D, Hq, Hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -348,15 +386,10 @@ class GatedAttention(nnx.Module):
             cache_k, cache_v = kv_cache
             S = cache_v.shape[2]
             slot_BxT = lengths_B[:, None] + jnp.arange(T)[None, :]
-            # Pads write out of bounds, which mode="drop" discards: the cache never sees them.
-            rows = jnp.arange(B)[:, None]
-            write_BxT = jnp.where(valid_BxT, slot_BxT, S)
-            # Row b's token t goes to position write[b, t] of row b (the indexed dims lead the
-            # update, [B, T, G, E], for both layouts).
-            at_k = (rows, slice(None), slice(None), write_BxT)
-            at_v = (rows, slice(None), write_BxT)
-            cache_k = cache_k.at[at_k].set(k_BxTxGxE.astype(cache_k.dtype), mode="drop")
-            cache_v = cache_v.at[at_v].set(v_BxTxGxE.astype(cache_v.dtype), mode="drop")
+            # Row b's valid token t goes to position lengths[b] + t of row b; pads and positions past
+            # the cache leave it as it was.
+            cache_k = write_rows(cache_k, jnp.moveaxis(k_BxTxGxE, 1, -1), lengths_B, valid_BxT, axis=3)
+            cache_v = write_rows(cache_v, jnp.moveaxis(v_BxTxGxE, 1, 2), lengths_B, valid_BxT, axis=2)
             new_cache = (cache_k, cache_v)
         head_major = kv_cache is not None and not fresh
         if not head_major:

@@ -61,7 +61,12 @@ import jax
 import jax.numpy as jnp
 
 from tmax_jax.models.qwen35.numerics import as_bits as _as_bits
-from tmax_jax.models.qwen35.numerics import f32_matmul_precision, zeros_after
+from tmax_jax.models.qwen35.numerics import (
+    exact_sum_matmul,
+    f32_matmul_precision,
+    mixed_precision,
+    zeros_after,
+)
 from tmax_jax.models.qwen35.numerics import from_bits as _from_bits
 
 f32 = jnp.float32
@@ -73,8 +78,24 @@ f32 = jnp.float32
 _INVERSE_BASE = 8
 
 
-def _mm(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+def _mm(spec: str, a: jax.Array, b: jax.Array, dt=f32) -> jax.Array:
+    """A float32-accumulated matmul whose operands are rounded to ``dt``, the inputs' dtype (see
+    ``_operand_dtype``); float32 operands run at the float32-matmul precision."""
+    if jnp.dtype(dt) != f32:
+        return jnp.einsum(spec, a.astype(dt), b.astype(dt), preferred_element_type=f32)
     return jnp.einsum(spec, a, b, precision=f32_matmul_precision(), preferred_element_type=f32)
+
+
+def _operand_dtype(*xs: jax.Array):
+    """The matmul operand dtype of the chunked form: the inputs' own when they are 16-bit and
+    ``numerics.mixed_precision()`` holds, else float32.
+
+    As flash-linear-attention's chunked kernels: the scores, the state's reads and updates, the
+    outputs and their gradients take operands in the inputs' dtype with float32 accumulation, while
+    the state, the gates' cumulative sums and exponentials, and the triangular inverse stay float32
+    (``_unit_lower_inverse``, ``_chunk_cumsum``)."""
+    dt = jnp.result_type(*xs)
+    return dt if dt.itemsize == 2 and mixed_precision() else f32
 
 
 # Tests set this to run the accelerator form on CPU: ``(chunks per block, w_form)`` (see ``_form``).
@@ -132,17 +153,21 @@ def _unit_lower_inverse(strict_lower: jax.Array) -> jax.Array:
     return jnp.concatenate([top, jnp.concatenate([x21, x22], axis=-1)], axis=-2)
 
 
-def _chunk_cumsum(x: jax.Array, reverse: bool = False) -> jax.Array:
+def _chunk_cumsum(x: jax.Array, reverse: bool = False, dt=f32) -> jax.Array:
     """Cumulative sum over the last axis (a chunk) as a matmul with a triangular 0/1 matrix.
 
     Same sums as ``jnp.cumsum`` up to float32 rounding order. On XLA CPU, a cumsum becomes a blocked
     reduce-window whose partial sums every consumer re-indexes per element (division and remainder
     by the block). That kept the chunk's ``exp(cum_i - cum_j)`` fusion from vectorising: 2.9 ns per
     element against 0.3 ns from a materialised prefix sum ([32, 8, 64, 64], one process, 2 cores).
-    ``reverse``: sums from each position to the end.
+    ``reverse``: sums from each position to the end. With 16-bit operands (``dt``) the float32
+    ``x`` goes in as three bfloat16 parts against the exact 0/1 matrix: float32 sums in three
+    passes (``numerics.exact_sum_matmul``), not six.
     """
     C = x.shape[-1]
     tri = jnp.triu(jnp.ones((C, C), x.dtype))  # [j, i]: j <= i
+    if jnp.dtype(dt) != f32:
+        return exact_sum_matmul("...j,ji->...i", x, tri.T if reverse else tri)
     return _mm("...j,ji->...i", x, tri.T if reverse else tri)
 
 
@@ -190,17 +215,17 @@ class ChunkPrep(NamedTuple):
     wq_read: jax.Array | None = None
 
 
-def _chunk_prepare(q, k, v, g, beta, masks: ChunkMasks, w_form: bool = False) -> ChunkPrep:
+def _chunk_prepare(q, k, v, g, beta, masks: ChunkMasks, w_form: bool = False, dt=f32) -> ChunkPrep:
     """``q, k [..., C, dk]``, ``v [..., C, dv]``, ``g, beta [..., C]``, all float32; ``w_form`` adds
     ``u`` and ``wq_read`` (see ``_form``)."""
     C = q.shape[-2]
-    cum = _chunk_cumsum(g)
+    cum = _chunk_cumsum(g, dt=dt)
     # -inf off the mask: exp gives exactly 0 there and never overflows on the (positive) upper half.
     decay = jnp.exp(jnp.where(masks.same, cum[..., :, None] - cum[..., None, :], -jnp.inf))
     read = jnp.exp(cum) * masks.reads
     kb_q = jnp.concatenate([k * beta[..., None], q], axis=-2)  # [..., 2C, dk]
     # One matmul for both score matrices (same right operand k): [k_beta; q] k^T.
-    scores = _mm("...ck,...sk->...cs", kb_q, k)
+    scores = _mm("...ck,...sk->...cs", kb_q, k, dt)
     scores = scores.reshape(*scores.shape[:-2], 2, C, C) * decay[..., None, :, :]
     strict = jnp.tril(jnp.ones((C, C), bool), -1)
     t_inv = _unit_lower_inverse(jnp.where(_lead(strict, scores.ndim - 1), scores[..., 0, :, :], 0.0))
@@ -208,9 +233,9 @@ def _chunk_prepare(q, k, v, g, beta, masks: ChunkMasks, w_form: bool = False) ->
     kq_read = kb_q * jnp.concatenate([read, read], axis=-1)[..., None]
     u = wq_read = None
     if w_form:
-        u = _mm("...cs,...sv->...cv", t_inv, v_beta)
+        u = _mm("...cs,...sv->...cv", t_inv, v_beta, dt)
         wq_read = jnp.concatenate(
-            [_mm("...cs,...sk->...ck", t_inv, kq_read[..., :C, :]), kq_read[..., C:, :]], -2
+            [_mm("...cs,...sk->...ck", t_inv, kq_read[..., :C, :], dt), kq_read[..., C:, :]], -2
         )
     return ChunkPrep(
         cum=cum,
@@ -226,7 +251,7 @@ def _chunk_prepare(q, k, v, g, beta, masks: ChunkMasks, w_form: bool = False) ->
     )
 
 
-def _chunk_forward_states(prep: ChunkPrep, s: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _chunk_forward_states(prep: ChunkPrep, s: jax.Array, dt=f32) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One chunk's state step from its incoming state ``s [..., dk, dv]``.
 
     Returns ``(s_next [..., dk, dv], v_new [..., C, dv], q_s [..., C, dv])`` with
@@ -234,51 +259,53 @@ def _chunk_forward_states(prep: ChunkPrep, s: jax.Array) -> tuple[jax.Array, jax
     """
     C = prep.t_inv.shape[-1]
     if prep.wq_read is not None:  # w_form: v_new = u - w s, one matmul fewer on the chain
-        wq_s = _mm("...ck,...kv->...cv", prep.wq_read, s)
+        wq_s = _mm("...ck,...kv->...cv", prep.wq_read, s, dt)
         v_new = prep.u - wq_s[..., :C, :]
         q_s = wq_s[..., C:, :]
     else:
-        kq_s = _mm("...ck,...kv->...cv", prep.kq_read, s)
-        v_new = _mm("...cs,...sv->...cv", prep.t_inv, prep.v_beta - kq_s[..., :C, :])
+        kq_s = _mm("...ck,...kv->...cv", prep.kq_read, s, dt)
+        v_new = _mm("...cs,...sv->...cv", prep.t_inv, prep.v_beta - kq_s[..., :C, :], dt)
         q_s = kq_s[..., C:, :]
-    s_next = s * prep.gamma[..., None, None] + _mm("...ck,...cv->...kv", prep.k_write, v_new)
+    s_next = s * prep.gamma[..., None, None] + _mm("...ck,...cv->...kv", prep.k_write, v_new, dt)
     return s_next, v_new, q_s
 
 
-def _chunk_outputs(prep: ChunkPrep, q_s: jax.Array, v_new: jax.Array) -> jax.Array:
+def _chunk_outputs(prep: ChunkPrep, q_s: jax.Array, v_new: jax.Array, dt=f32) -> jax.Array:
     """``o = q_read s + P v_new [..., C, dv]`` from ``_chunk_forward_states``' ``q_s`` and ``v_new``."""
-    return q_s + _mm("...cs,...sv->...cv", prep.intra, v_new)
+    return q_s + _mm("...cs,...sv->...cv", prep.intra, v_new, dt)
 
 
-def _chunk_backward_states(prep: ChunkPrep, do: jax.Array, ds_next: jax.Array):
+def _chunk_backward_states(prep: ChunkPrep, do: jax.Array, ds_next: jax.Array, dt=f32):
     """One chunk's backward state step.
 
     ``do [..., C, dv]`` (cotangent of ``o``), ``ds_next [..., dk, dv]`` (of the outgoing state) ->
     ``(ds [..., dk, dv]`` of the incoming state, ``dv_new [..., C, dv]``, ``dr [..., C, dv])`` where
     ``dr = T^T dv_new`` is the cotangent of ``v_beta - k_read s``.
     """
-    dv_new = _mm("...cs,...cv->...sv", prep.intra, do) + _mm("...ck,...kv->...cv", prep.k_write, ds_next)
+    dv_new = _mm("...cs,...cv->...sv", prep.intra, do, dt) + _mm(
+        "...ck,...kv->...cv", prep.k_write, ds_next, dt
+    )
     if prep.wq_read is not None:
         # w_form: k_read^T dr = (T k_read)^T dv_new, so ds needs no dr; the caller computes dr
         # (``_chunk_dr``) for all the block's chunks at once, off the sequential chain.
         ds = ds_next * prep.gamma[..., None, None] + _mm(
-            "...ck,...cv->...kv", prep.wq_read, jnp.concatenate([-dv_new, do], axis=-2)
+            "...ck,...cv->...kv", prep.wq_read, jnp.concatenate([-dv_new, do], axis=-2), dt
         )
         return ds, dv_new, None
-    dr = _mm("...sc,...sv->...cv", prep.t_inv, dv_new)
+    dr = _mm("...sc,...sv->...cv", prep.t_inv, dv_new, dt)
     # s is read by k_read (through -dr) and q_read (through do): one matmul over [k_read; q_read].
     ds = ds_next * prep.gamma[..., None, None] + _mm(
-        "...ck,...cv->...kv", prep.kq_read, jnp.concatenate([-dr, do], axis=-2)
+        "...ck,...cv->...kv", prep.kq_read, jnp.concatenate([-dr, do], axis=-2), dt
     )
     return ds, dv_new, dr
 
 
-def _chunk_dr(prep: ChunkPrep, dv_new: jax.Array) -> jax.Array:
+def _chunk_dr(prep: ChunkPrep, dv_new: jax.Array, dt=f32) -> jax.Array:
     """``dr = T^T dv_new``, the cotangent of ``v_beta - k_read s`` (``_chunk_backward_states``)."""
-    return _mm("...sc,...sv->...cv", prep.t_inv, dv_new)
+    return _mm("...sc,...sv->...cv", prep.t_inv, dv_new, dt)
 
 
-def _chunk_backward(q, k, v, g, beta, masks: ChunkMasks, prep: ChunkPrep, s, do, ds_next, dv_new, dr):
+def _chunk_backward(q, k, v, g, beta, masks: ChunkMasks, prep: ChunkPrep, s, do, ds_next, dv_new, dr, dt=f32):
     """Gradients of one chunk's ``(q, k, v, g, beta)`` (shapes as the inputs of ``_chunk_prepare``).
 
     ``s``: incoming state, ``do``: cotangent of the outputs, ``ds_next``: of the outgoing state,
@@ -286,37 +313,37 @@ def _chunk_backward(q, k, v, g, beta, masks: ChunkMasks, prep: ChunkPrep, s, do,
     """
     C = q.shape[-2]
     k_read, q_read = prep.kq_read[..., :C, :], prep.kq_read[..., C:, :]
-    r = prep.v_beta - _mm("...ck,...kv->...cv", k_read, s)
-    v_new = _mm("...cs,...sv->...cv", prep.t_inv, r)
+    r = prep.v_beta - _mm("...ck,...kv->...cv", k_read, s, dt)
+    v_new = _mm("...cs,...sv->...cv", prep.t_inv, r, dt)
     k_write = prep.k_write
     read = jnp.exp(prep.cum) * masks.reads
     write = jnp.exp(prep.cum[..., -1:] - prep.cum) * masks.writes
     k_beta = k * beta[..., None]
 
     # o = q_read s + P v_new, s' = gamma s + k_write^T v_new, v_new = T (v_beta - k_read s).
-    d_intra = _mm("...cv,...sv->...cs", do, v_new)
-    d_qk_read = _mm("...cv,...kv->...ck", jnp.concatenate([do, -dr], axis=-2), s)
+    d_intra = _mm("...cv,...sv->...cs", do, v_new, dt)
+    d_qk_read = _mm("...cv,...kv->...ck", jnp.concatenate([do, -dr], axis=-2), s, dt)
     d_q_read, d_k_read = d_qk_read[..., :C, :], d_qk_read[..., C:, :]
-    d_k_write = _mm("...cv,...kv->...ck", v_new, ds_next)
+    d_k_write = _mm("...cv,...kv->...ck", v_new, ds_next, dt)
     d_gamma = jnp.sum(s * ds_next, axis=(-2, -1))
     # T = (I + A)^-1: dT = dv_new r^T, dA = -T^T dT T^T (strictly lower part).
-    d_t = _mm("...cv,...sv->...cs", dv_new, r)
+    d_t = _mm("...cv,...sv->...cs", dv_new, r, dt)
     strict = jnp.tril(jnp.ones((C, C), bool), -1)
-    d_a = -_mm("...sc,...sd->...cd", prep.t_inv, _mm("...cs,...ds->...cd", d_t, prep.t_inv))
+    d_a = -_mm("...sc,...sd->...cd", prep.t_inv, _mm("...cs,...ds->...cd", d_t, prep.t_inv, dt), dt)
     d_a = jnp.where(_lead(strict, d_a.ndim), d_a, 0.0)
     # A = strict(k_beta k^T * D), P = (q k^T) * D.
     d_kbk = d_a * prep.decay
     d_qk = d_intra * prep.decay
     # D enters both products; the raw ones are recomputed (dividing D back out of P is unsafe).
     kb_q = jnp.concatenate([k_beta, q], axis=-2)
-    raw = _mm("...ck,...sk->...cs", kb_q, k)
+    raw = _mm("...ck,...sk->...cs", kb_q, k, dt)
     d_decay = d_a * raw[..., :C, :] + d_intra * raw[..., C:, :]
 
-    d_k_beta = _mm("...cs,...sk->...ck", d_kbk, k) + d_k_read * read[..., None]
-    dq = _mm("...cs,...sk->...ck", d_qk, k) + d_q_read * read[..., None]
+    d_k_beta = _mm("...cs,...sk->...ck", d_kbk, k, dt) + d_k_read * read[..., None]
+    dq = _mm("...cs,...sk->...ck", d_qk, k, dt) + d_q_read * read[..., None]
     # k enters both score matrices as the right operand: [d_kbk; d_qk]^T [k_beta; q] in one matmul.
     dk = (
-        _mm("...cs,...ck->...sk", jnp.concatenate([d_kbk, d_qk], axis=-2), kb_q)
+        _mm("...cs,...ck->...sk", jnp.concatenate([d_kbk, d_qk], axis=-2), kb_q, dt)
         + d_k_write * write[..., None]
         + d_k_beta * beta[..., None]
     )
@@ -332,7 +359,7 @@ def _chunk_backward(q, k, v, g, beta, masks: ChunkMasks, prep: ChunkPrep, s, do,
     d_last = jnp.sum(from_write, axis=-1) + d_gamma * prep.gamma
     d_cum = d_cum - from_write
     d_cum = d_cum.at[..., -1].add(d_last)
-    dg = _chunk_cumsum(d_cum, reverse=True)  # cum = cumsum(g)
+    dg = _chunk_cumsum(d_cum, reverse=True, dt=dt)  # cum = cumsum(g)
     return dq, dk, dv, dg, dbeta
 
 
@@ -404,6 +431,7 @@ def _forward(
     B, T, H, K = k.shape
     V = v.shape[-1]
     dtypes = tuple(x.dtype for x in (q, k, v, g, beta))
+    dt = _operand_dtype(q, k, v)
     seqs = tuple(_as_bits(_pad_time(x, C)) for x in (q, k, v, g, beta))  # [B, N * C, H, ...]
     grp, prev_last = _groups(groups, C)
     N = grp.shape[1]
@@ -412,16 +440,16 @@ def _forward(
     def block(carry, n0):
         s, out, saved = carry
         x, masks = _block_inputs(seqs, dtypes, grp, prev_last, n0, m, C)
-        prep = _chunk_prepare(*x, masks, w_form=w_form)
+        prep = _chunk_prepare(*x, masks, w_form=w_form, dt=dt)
         states, v_new, q_s = [], [], []
         for i in range(m):
             states.append(s)
-            s, v_new_i, q_s_i = _chunk_forward_states(_slice_chunk(prep, i), s)
+            s, v_new_i, q_s_i = _chunk_forward_states(_slice_chunk(prep, i), s, dt)
             v_new.append(v_new_i)
             q_s.append(q_s_i)
         if save_states:  # each chunk's incoming state, [N // m, B, H, m, K, V]
             saved = jax.lax.dynamic_update_index_in_dim(saved, jnp.stack(states, axis=2), n0 // m, 0)
-        o = _chunk_outputs(prep, jnp.stack(q_s, axis=2), jnp.stack(v_new, axis=2))
+        o = _chunk_outputs(prep, jnp.stack(q_s, axis=2), jnp.stack(v_new, axis=2), dt)
         out = _store(out, o, out_dtype, n0, C)
         return (s, out, saved), None
 
@@ -438,6 +466,7 @@ def _backward(res, cotangents, C: int, per_block: int, w_form: bool = False):
     d_out, d_final = cotangents
     T = k.shape[1]
     dtypes = tuple(x.dtype for x in (q, k, v, g, beta))
+    dt = _operand_dtype(q, k, v)
     seqs = tuple(_as_bits(_pad_time(x, C)) for x in (q, k, v, g, beta))
     grp, prev_last = _groups(groups, C)
     N = grp.shape[1]
@@ -451,15 +480,15 @@ def _backward(res, cotangents, C: int, per_block: int, w_form: bool = False):
         ds, grads = carry
         n0, s_in = xs  # s_in [B, H, m, K, V]
         x, masks = _block_inputs(seqs, dtypes, grp, prev_last, n0, m, C)
-        prep = _chunk_prepare(*x, masks, w_form=w_form)
+        prep = _chunk_prepare(*x, masks, w_form=w_form, dt=dt)
         do = _load(d_out, d_out_dtype, n0, m, C)
         ds_next, dv_new, dr = [None] * m, [None] * m, [None] * m
         for i in reversed(range(m)):
             ds_next[i] = ds
-            ds, dv_new[i], dr[i] = _chunk_backward_states(_slice_chunk(prep, i), do[:, :, i], ds)
+            ds, dv_new[i], dr[i] = _chunk_backward_states(_slice_chunk(prep, i), do[:, :, i], ds, dt)
         ds_next, dv_new = (jnp.stack(x, axis=2) for x in (ds_next, dv_new))
-        dr = _chunk_dr(prep, dv_new) if w_form else jnp.stack(dr, axis=2)
-        d_x = _chunk_backward(*x, masks, prep, s_in, do, ds_next, dv_new, dr)
+        dr = _chunk_dr(prep, dv_new, dt) if w_form else jnp.stack(dr, axis=2)
+        d_x = _chunk_backward(*x, masks, prep, s_in, do, ds_next, dv_new, dr, dt)
         grads = tuple(_store(buf, d, dt, n0, C) for buf, d, dt in zip(grads, d_x, dtypes))
         return (ds, grads), None
 
@@ -536,7 +565,8 @@ def chunked_gated_delta_rule(
     dtype here, and no float32 ``[B, T, H, dv]`` buffer (nor its float32 cotangent) exists.
 
     The initial state belongs to group 0: tokens of group 0 read it, others start from zero. Inputs may
-    be bfloat16 (each block is cast to float32 as it is used); gradients come back in the inputs' dtypes.
+    be bfloat16 (each block is cast to float32 as it is used; under the "mixed" policy the matmuls take
+    bfloat16 operands, ``_operand_dtype``); gradients come back in the inputs' dtypes.
     """
     check_shapes(
         q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH, beta_BxTxH, initial_state_BxHxKxV, groups_BxT, chunk_size

@@ -50,6 +50,66 @@ def f32_matmul_precision(backend: str | None = None):
     return F32_DOT_ALGORITHMS[name]
 
 
+# The matmul precision policy, by name (environment variable TMAX_JAX_PRECISION, read at trace time).
+# "mixed" (default): the chunked delta rule's matmuls take their operands in the inputs' dtype
+# (bfloat16 for a bfloat16 model) with float32 accumulation, and the float32 LM head runs as three
+# bfloat16 passes (``HEAD_DOT_DEFAULT``). "float32": every delta-rule matmul and the head at the
+# float32-matmul precision (TMAX_JAX_F32_DOT), the policy before it: the baseline of comparisons.
+# The float32 matmuls that remain under "mixed", each with its reason:
+#   * delta rule, ``_unit_lower_inverse``: the UT transform's (I + A)^-1, [C, C] per chunk; its
+#     powers of A grow before they cancel (as flash-linear-attention's solve_tril, in float32);
+#   * delta rule, ``_chunk_cumsum``: the cumulative log-gates, whose exponentials decay the state;
+#     three exact bfloat16 passes (``exact_sum_matmul``), the same sums as float32;
+#   * recurrent delta rule (decode): ``k^T S`` and ``q^T S`` on the float32 state, a matrix-vector
+#     product bound by reading the state (as flash-linear-attention's fused recurrent kernel);
+#   * the LM head (``rl.logprobs.head_logits``): three bfloat16 passes summed in float32 (the
+#     policy's log-probabilities, which DPPO compares between engine and trainer);
+#   * model ``_split_small_weights``: a one-hot selection of small float32 weights (exact, tiny).
+PRECISION_ENV = "TMAX_JAX_PRECISION"
+PRECISION_POLICIES = ("mixed", "float32")
+HEAD_DOT_DEFAULT = "bf16x3"
+
+
+def precision_policy() -> str:
+    """The name set in ``TMAX_JAX_PRECISION`` (default "mixed"); a ConfigError for any other name."""
+    name = os.environ.get(PRECISION_ENV, "mixed").strip().lower() or "mixed"
+    if name not in PRECISION_POLICIES:
+        raise ConfigError(f"{PRECISION_ENV}={name!r}; expected one of {list(PRECISION_POLICIES)}")
+    return name
+
+
+def mixed_precision() -> bool:
+    return precision_policy() == "mixed"
+
+
+def head_dot_setting() -> str:
+    """The float32 head's algorithm name: ``TMAX_JAX_F32_DOT`` when set, else under the "mixed"
+    policy ``HEAD_DOT_DEFAULT`` (three passes), under "float32" the float32-matmul default."""
+    if os.environ.get(F32_DOT_ENV, "").strip() or not mixed_precision():
+        return f32_dot_setting()
+    return HEAD_DOT_DEFAULT
+
+
+def split_bf16(x: jax.Array, parts: int) -> list[jax.Array]:
+    """float32 ``x`` as ``parts`` bfloat16 terms, largest first, whose float32 sum approximates it
+    (three terms hold float32's 24 significant bits)."""
+    out, rest = [], x.astype(jnp.float32)
+    for _ in range(parts):
+        p = rest.astype(jnp.bfloat16)
+        out.append(p)
+        rest = rest - p.astype(jnp.float32)
+    return out
+
+
+def exact_sum_matmul(spec: str, x: jax.Array, ones: jax.Array) -> jax.Array:
+    """``einsum(spec, x, ones)`` for float32 ``x`` and a 0/1 matrix ``ones`` (a prefix sum, a
+    selection): three bfloat16 matmuls with float32 accumulation, each product exact, so the result
+    is float32 sums of ``x`` in another order."""
+    w = ones.astype(jnp.bfloat16)
+    terms = [jnp.einsum(spec, p, w, preferred_element_type=jnp.float32) for p in split_bf16(x, 3)]
+    return terms[0] + (terms[1] + terms[2])
+
+
 def zeros_after(shape, dtype, after: jax.Array) -> jax.Array:
     """Zeros of ``shape``/``dtype`` that XLA can compute only once ``after`` exists.
 
