@@ -137,6 +137,20 @@ def _same_leaves(refs: tuple | None, leaves: list) -> bool:
     )
 
 
+def _is_abstract(tree: Any) -> bool:
+    """Whether ``tree`` holds shapes only (an ``nnx.eval_shape`` model's state): nothing to launch."""
+    return any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(tree))
+
+
+def _compiled_outputs(jitted: Any, *args: Any) -> Any:
+    """What ``jitted(*args)`` returns, as ``ShapeDtypeStruct``s with the shardings its compiled
+    program gives them (the shardings a call would return), for abstract ``args``."""
+    compiled = jitted.lower(*args).compile()
+    return jax.tree.map(
+        lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding), compiled.out_info
+    )
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n - 1).bit_length())
 
@@ -316,7 +330,8 @@ class Engine(EngineAPI):
         self._cache_treedef = jax.tree.structure(
             jax.eval_shape(lambda: self._init_cache(model, 1, max_cache_length))
         )
-        self.vocab_size = int(jax.eval_shape(model.lm_head_weight).shape[-1])
+        head = jax.eval_shape(lambda st: nnx.merge(self._graphdef, st).lm_head_weight(), state)
+        self.vocab_size = int(head.shape[-1])
         # Trace counts per jitted function: a retrace is a recompile, so tests can assert none happen.
         self.trace_counts: collections.Counter[str] = collections.Counter()
         probe = jax.eval_shape(lambda: self._init_cache(model, 1, max_cache_length))
@@ -448,6 +463,10 @@ class Engine(EngineAPI):
         ``copy``, every leaf in a new buffer (one program)."""
         if not self._unroll or isinstance(state, PeriodParams):
             return self._copy_jit(state) if copy else state
+        if _is_abstract(state):  # shapes only (ahead-of-time compiles): the periods' shapes
+            return PeriodParams(
+                rest=_rest(state), periods=_compiled_outputs(self._unstack_jit, state["blocks"])
+            )
         if copy:
             return self._own_periods_jit(state)
         return PeriodParams(rest=_rest(state), periods=self._unstack_jit(state["blocks"]))
@@ -971,6 +990,40 @@ class Engine(EngineAPI):
         """Stop decoding ``slot`` (cancelled, or ended by a stop string found on the host)."""
         self._check_slot(slot)
         return self._deactivate_jit(decode_state, jnp.int32(slot))
+
+    # ----------------------------------------------------------------- ahead of time
+    # An engine built from an ``nnx.eval_shape`` model (shapes with shardings) lowers its programs
+    # without allocating anything; ``.compile()`` of the result compiles them for the params' devices.
+    def abstract_decode_state(self) -> DecodeState:
+        """Shapes of ``init_decode_state()``, without shardings: its program reads no input, so its
+        outputs are uncommitted arrays on one device, placed by the first program that reads them."""
+        return jax.eval_shape(self._init_decode_state_impl, self._params)
+
+    def lower_prefill(self, rows: int | None = None, width: int | None = None) -> Any:
+        """``prefill_many``'s batched program for ``rows`` prompts (default ``max_prefill_batch``) of
+        ``width`` tokens (default ``max_prefill_length``), as its calls run it."""
+        rows = self._max_prefill_batch if rows is None else _next_pow2(rows)
+        width = self.bucket(self._max_prefill if width is None else width)
+        tokens_BxT = jax.ShapeDtypeStruct((rows, width), jnp.int32)
+        true_len_B = jax.ShapeDtypeStruct((rows,), jnp.int32)
+        attend = self.attend_length(width)
+        return self._prefill_fresh_jit.lower(
+            self._params, tokens_BxT, true_len_B, attend, mtp=self._mtp_state
+        )
+
+    def lower_generate_block(self, max_length: int | None = None) -> Any:
+        """``generate_block``'s program with attention over ``max_length`` tokens (default the whole
+        cache, its largest bucket), as its calls run it."""
+        attend = self.attend_length(self._max_len if max_length is None else max_length)
+        steps = jax.ShapeDtypeStruct((), jnp.int32)
+        return self._block_jit.lower(
+            self._params,
+            self.abstract_decode_state(),
+            steps,
+            attend,
+            mtp=self._mtp_state,
+            speculate=jax.ShapeDtypeStruct((), jnp.bool_),
+        )
 
     # ----------------------------------------------------------------- generate
     def _decode_step(self, model, periods, state: DecodeState):
