@@ -72,10 +72,24 @@ class PlanSettings:
     num_devices: int = 0  # 0 = the devices JAX sees here
     device_name: str = "device"
     device_memory_gib: float | None = None  # None = no fit verdict
+    # The TPU slice `plan --compile` compiles for (libtpu's topology names, jax.experimental.topologies):
+    # e.g. "v5p:2x4x4" (32 chips), "v5p:2x2x1" (one 4-chip host); "" = none (no XLA:TPU compile).
+    topology: str = ""
+    chip_config: str = "megacore"  # "megacore" (v4, v5p: one device per chip) or "default"
+    chips_per_host: tuple[int, ...] = (2, 2, 1)
+    num_slices: int = 1
 
     def __post_init__(self) -> None:
         if self.num_devices < 0:
             raise ConfigError(f"plan.num_devices must be >= 0, got {self.num_devices}")
+        if self.chip_config not in ("megacore", "default"):
+            raise ConfigError(f"plan.chip_config must be megacore or default, got {self.chip_config!r}")
+        if len(self.chips_per_host) != 3 or any(int(n) < 1 for n in self.chips_per_host):
+            raise ConfigError(
+                f"plan.chips_per_host must be three sizes >= 1, got {list(self.chips_per_host)}"
+            )
+        if self.num_slices < 1:
+            raise ConfigError(f"plan.num_slices must be >= 1, got {self.num_slices}")
         if self.device_memory_gib is not None and self.device_memory_gib <= 0:
             raise ConfigError(f"plan.device_memory_gib must be > 0, got {self.device_memory_gib}")
 
