@@ -14,6 +14,7 @@ from tmax_jax.agent.episode import AgentConfig
 from tmax_jax.config import load_yaml, override
 from tmax_jax.distributed import DistributedConfig
 from tmax_jax.errors import ConfigError
+from tmax_jax.kernels.dispatch import KERNEL_CHOICES
 from tmax_jax.rl.config import RLConfig
 from tmax_jax.sandbox.config import SandboxConfig
 from tmax_jax.sharding import MeshConfig
@@ -39,11 +40,24 @@ class ModelSource:
     init_seed: int = 0
     dtype: str = "float32"  # compute dtype of the policy (bfloat16 on accelerators); the head is f32
     param_dtype: str = "float32"
+    # Runtime choices of the model's kernels (Qwen35Config.kernels / attention_kernels: auto, jax,
+    # pallas); "" keeps the model's defaults. The target platform decides what "auto" means.
+    kernels: str = ""
+    attention_kernels: str = ""
 
     def __post_init__(self) -> None:
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ConfigError(f"model.{name}={getattr(self, name)!r}; expected one of {list(DTYPES)}")
+        for name in ("kernels", "attention_kernels"):
+            if getattr(self, name) not in ("", *KERNEL_CHOICES):
+                raise ConfigError(
+                    f"model.{name}={getattr(self, name)!r}; expected one of {list(KERNEL_CHOICES)} or ''"
+                )
+
+    def runtime_choices(self) -> dict[str, str]:
+        """The kernel choices this config sets (for ``load_hf`` and ``shape``)."""
+        return {k: getattr(self, k) for k in ("kernels", "attention_kernels") if getattr(self, k)}
 
     def shape(self):
         """The Qwen35Config this run trains: preset (or the checkpoint's config.json, or tiny) + overrides."""
@@ -58,7 +72,7 @@ class ModelSource:
         updates = dict(self.overrides)
         if {"num_hidden_layers", "full_attention_interval"} & set(updates) and "layer_types" not in updates:
             updates["layer_types"] = ()  # re-derive the layer pattern for the new depth / interval
-        return override(base, updates, _path="model.overrides")
+        return dataclasses.replace(override(base, updates, _path="model.overrides"), **self.runtime_choices())
 
     @property
     def name(self) -> str:
