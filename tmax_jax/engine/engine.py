@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import threading
 import weakref
 from collections.abc import Sequence
@@ -336,13 +337,16 @@ class Engine(EngineAPI):
         self.trace_counts: collections.Counter[str] = collections.Counter()
         probe = jax.eval_shape(lambda: self._init_cache(model, 1, max_cache_length))
         self._narrowable = hasattr(probe, "narrow") and hasattr(probe, "widen_into")
-        self._prefill_fresh_jit = launch.jit(self._prefill_fresh_impl, static_argnums=(3,))
-        self._prefill_cont_jit = launch.jit(self._prefill_cont_impl, static_argnums=(4,))
+        on_mesh = self._on_mesh
+        self._prefill_fresh_jit = launch.jit(on_mesh(self._prefill_fresh_impl), static_argnums=(3,))
+        self._prefill_cont_jit = launch.jit(on_mesh(self._prefill_cont_impl), static_argnums=(4,))
         self._row_jit = launch.jit(self._row_impl)
         self._sample_first_jit = launch.jit(self._sample_first_impl)
         self._first_tokens_jit = launch.jit(self._first_tokens_impl)
-        self._generate_jit = launch.jit(self._generate_impl, donate_argnums=(1,))
-        self._block_jit = launch.jit(self._generate_block_impl, static_argnums=(3,), donate_argnums=(1,))
+        self._generate_jit = launch.jit(on_mesh(self._generate_impl), donate_argnums=(1,))
+        self._block_jit = launch.jit(
+            on_mesh(self._generate_block_impl), static_argnums=(3,), donate_argnums=(1,)
+        )
         self._live_length_jit = launch.jit(self._live_length_impl)
         self._insert_jit = launch.jit(self._insert_impl, donate_argnums=(1,))
         self._extract_jit = launch.jit(self._extract_impl)
@@ -385,6 +389,21 @@ class Engine(EngineAPI):
     @property
     def params(self) -> Any:
         return self._params
+
+    def _on_mesh(self, fn: Any) -> Any:
+        """``fn`` traced under the weights' mesh when it spans several devices, as the train step is
+        traced under its own: the model's Pallas kernels then run per shard (``shard_map``), which a
+        custom call XLA cannot partition needs (Mosaic refuses to be partitioned automatically)."""
+
+        @functools.wraps(fn)
+        def traced(*args, **kwargs):
+            mesh = self.mesh
+            if mesh.size == 1 or not jax.sharding.get_abstract_mesh().empty:
+                return fn(*args, **kwargs)
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return fn(*args, **kwargs)
+
+        return traced
 
     def _on_model_devices(self, tree: Any) -> Any:
         """``tree`` (the MTP module's weights) where the model's are: as it is when every leaf is
