@@ -236,8 +236,11 @@ def trip_count(ins: Instr, comps: dict, by_name: dict) -> int | None:
     return None
 
 
-def executions(comps: dict, entry: str, by_name: dict) -> tuple[dict[str, int], list[str]]:
-    """How many times each computation runs per program run; loops whose trip count is unknown."""
+def executions(
+    comps: dict, entry: str, by_name: dict, unknown_trips: int = 1
+) -> tuple[dict[str, int], list[str]]:
+    """How many times each computation runs per program run; loops whose trip count is unknown
+    (data-dependent: counted ``unknown_trips`` times)."""
     runs: dict[str, int] = defaultdict(int)
     unknown: list[str] = []
 
@@ -251,7 +254,7 @@ def executions(comps: dict, entry: str, by_name: dict) -> tuple[dict[str, int], 
                 n = trip_count(ins, comps, by_name)
                 if n is None:
                     unknown.append(ins.name)
-                    n = 1
+                    n = unknown_trips
                 if body:
                     walk(body.group(1), m * n, depth + 1)
                 continue
@@ -332,11 +335,11 @@ def source_of(ins: Instr, tables: dict) -> str:
     return " < ".join(where) or "?"
 
 
-def analyze(text: str) -> dict:
+def analyze(text: str, unknown_trips: int = 1) -> dict:
     comps, entry, by_name, tables = parse_module(text)
     if entry is None:
         raise ValueError("no ENTRY computation: not an HLO module's text")
-    runs, unknown = executions(comps, entry, by_name)
+    runs, unknown = executions(comps, entry, by_name, unknown_trips)
     dots: list[Dot] = []
     kernels = Counter()
     for comp, m in runs.items():
@@ -380,6 +383,7 @@ def analyze(text: str) -> dict:
         ],
         "pallas_kernel_calls": kernels.get("tpu_custom_call", 0),
         "loops_without_trip_count": unknown,
+        "unknown_trips": unknown_trips,
     }
 
 
@@ -404,7 +408,10 @@ def format_report(r: dict, top: int = 20) -> str:
         lines.append(f"  ... {len(r['f32_dot_list']) - top} more (--top N, or --json)")
     lines.append(f"Pallas (Mosaic) kernel calls per run: {r['pallas_kernel_calls']}")
     if r["loops_without_trip_count"]:
-        lines.append(f"loops counted once (trip count unknown): {', '.join(r['loops_without_trip_count'])}")
+        lines.append(
+            f"loops with a data-dependent trip count, counted {r['unknown_trips']} time(s) each "
+            f"(--unknown-trips): {', '.join(r['loops_without_trip_count'])}"
+        )
     if "model_flops_ratio" in r:
         lines.append(
             f"model FLOPs per device {g(r['model_flops_per_device'])}: {r['model_flops_ratio']:.3f} of the "
@@ -421,10 +428,16 @@ def main(argv=None) -> int:
     )
     p.add_argument("--devices", type=int, default=1, help="devices the model FLOPs are spread over")
     p.add_argument("--top", type=int, default=20, help="float32 dots listed (text output)")
+    p.add_argument(
+        "--unknown-trips",
+        type=int,
+        default=1,
+        help="trips assumed for loops whose count depends on the data (e.g. the LM head's chunks)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     for path in args.hlo:
-        r = analyze(Path(path).read_text())
+        r = analyze(Path(path).read_text(), args.unknown_trips)
         r["hlo"] = path
         if args.model_flops:
             per_device = args.model_flops / args.devices
