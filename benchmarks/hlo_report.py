@@ -31,8 +31,11 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import numpy as np
+
 PASSES = {"highest": 6, "high": 3, "default": 1}
 _ARRAY = re.compile(r"^([a-z]+[0-9]*)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?[\w.\-]+\s+\(.*\)\s+->\s+.*\{\s*$")
 _COMMENT = re.compile(r"/\*.*?\*/")
 _CALLS = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
@@ -139,7 +142,8 @@ def parse_module(text: str):
     for line in text.splitlines():
         if not line.strip():
             continue
-        if line[0] not in " \t}" and line.rstrip().endswith("{"):
+        # A computation's header (not a continuation line of a multi-line backend config).
+        if line[0] not in " \t}" and _HEADER.match(line):
             header = line.strip()
             is_entry = header.startswith("ENTRY ")
             header = header[6:] if is_entry else header
@@ -149,7 +153,7 @@ def parse_module(text: str):
                 entry = current
             table = None
             continue
-        if line.startswith("}"):
+        if line.rstrip() == "}":
             current = None
             continue
         if current is None:
@@ -293,23 +297,44 @@ def _macs(ins: Instr, by_name: dict) -> int | None:
             return None
         k = math.prod(lhs[1][d] for d in _ints(ins.attrs, "lhs_contracting_dims"))
         return math.prod(out[1]) * k
-    # convolution: each output element takes (rhs input features) x (window taps over real input)
-    if rhs is None:
+    # convolution: (output rows x output features) x (rhs input features) x, per spatial dim, the
+    # window taps that land on real input summed over output positions. XLA:TPU writes dots as
+    # convolutions whose windows mostly cover padding or the holes of a dilated input; those taps
+    # multiply zeros and are not work.
+    if rhs is None or lhs is None:
         return None
     labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attrs)
     if not labels:
         return None
-    kernel = labels.group(2)
-    i_features = rhs[1][kernel.index("i")]
-    taps = 1
+    lhs_l, rhs_l, out_l = labels.groups()
+    spatial = sorted(c for c in out_l if c.isdigit())
+    n = len(spatial)
+    fields = {}
     window = re.search(r"window=\{([^}]*)\}", ins.attrs)
     if window:
         fields = dict(f.split("=", 1) for f in window.group(1).split() if "=" in f)
-        size = [int(x) for x in fields.get("size", "").split("x") if x]
-        dilate = [int(x) for x in fields.get("lhs_dilate", "").split("x") if x] or [1] * len(size)
-        # Window positions on holes of a dilated input multiply zeros: XLA's trick for batched dots.
-        taps = math.prod(-(-s // d) for s, d in zip(size, dilate))
-    return math.prod(out[1]) * i_features * taps
+
+    def per_dim(key, default):
+        v = fields.get(key)
+        return [default] * n if v is None else v.split("x")
+
+    size = [int(x) for x in per_dim("size", "1")]
+    stride = [int(x) for x in per_dim("stride", "1")]
+    lhs_dil = [int(x) for x in per_dim("lhs_dilate", "1")]
+    rhs_dil = [int(x) for x in per_dim("rhs_dilate", "1")]
+    pad_lo = [int(x.split("_")[0]) for x in per_dim("pad", "0_0")]
+    taps = 1
+    for d in spatial:
+        j = int(d)
+        t_in = lhs[1][lhs_l.index(d)]
+        t_out = out[1][out_l.index(d)]
+        p = np.arange(t_out)[:, None] * stride[j]
+        k = np.arange(size[j])[None, :] * rhs_dil[j]
+        q = p + k - pad_lo[j]
+        real = (q >= 0) & (q % lhs_dil[j] == 0) & (q // lhs_dil[j] < t_in)
+        taps *= int(real.sum())
+    rows = out[1][out_l.index("b")] * out[1][out_l.index("f")]
+    return rows * rhs[1][rhs_l.index("i")] * taps
 
 
 def source_of(ins: Instr, tables: dict) -> str:
@@ -349,13 +374,15 @@ def analyze(text: str, unknown_trips: int = 1) -> dict:
             if ins.opcode not in ("dot", "convolution"):
                 continue
             macs = _macs(ins, by_name)
-            lhs = _operand(ins, 0, by_name)
+            lhs, rhs = _operand(ins, 0, by_name), _operand(ins, 1, by_name)
             if macs is None or lhs is None:
                 continue
+            # A float32 operand makes it a float32 dot (XLA:TPU rounds it by the dot's precision).
+            dtype = "f32" if "f32" in (lhs[0], rhs[0] if rhs else None) else lhs[0]
             precision, passes = _precision(ins.attrs)
-            if lhs[0] != "f32" and not precision.startswith("dot_"):
+            if dtype != "f32" and not precision.startswith("dot_"):
                 passes = 1  # bf16 (and integer) operands: one pass whatever the precision says
-            dots.append(Dot(ins.name, ins.opcode, lhs[0], precision, passes, macs, m, source_of(ins, tables)))
+            dots.append(Dot(ins.name, ins.opcode, dtype, precision, passes, macs, m, source_of(ins, tables)))
     flops = sum(d.flops for d in dots)
     mxu = sum(d.mxu_flops for d in dots)
     f32 = [d for d in dots if d.dtype == "f32"]
