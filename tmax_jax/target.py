@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator
 
 import jax
@@ -52,3 +53,10 @@ def compiling_for(platform: str) -> Iterator[None]:
         yield
     finally:
         _PLATFORM.reset(token)
+
+
+def several_devices() -> bool:
+    """Whether the mesh in context spans more than one device: a custom call XLA cannot partition
+    (a Pallas kernel) must then run inside ``shard_map``, replicated where no axis splits it."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and math.prod(mesh.axis_sizes) > 1

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from tmax_jax.kernels.gated_delta_rule import pallas_chunked_gated_delta_rule
-from tmax_jax.target import target_platform
+from tmax_jax.target import several_devices, target_platform
 
 KERNEL_CHOICES = ("auto", "jax", "pallas")
 _ACCELERATORS = ("tpu", "gpu")
@@ -79,7 +79,7 @@ def _sharded_pallas(args, **kw):
     q, k, v, g, beta, s0, groups = args
     B, T, H, K = q.shape
     rows, head_axis = _mesh_axes(B, H)
-    if not rows and head_axis is None:
+    if not rows and head_axis is None and not several_devices():
         return pallas_chunked_gated_delta_rule(*args, **kw)
     if s0 is None:
         s0 = jnp.zeros((B, H, K, v.shape[-1]), jnp.float32)
