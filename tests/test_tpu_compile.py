@@ -188,3 +188,23 @@ def test_pallas_kernels_compile_through_mosaic(compiled):
         assert 'custom_call_target="tpu_custom_call"' in text
         r = hlo_report.analyze(text)
         assert r["pallas_kernel_calls"] > 0 and r["dot_flops"] > 0
+
+
+def test_a_program_xla_refuses_for_lack_of_hbm_is_reported_as_not_fitting():
+    """XLA:TPU refuses (RESOURCE_EXHAUSTED) a program whose temporaries exceed HBM: the plan reports
+    it as not fitting, with what XLA said it needs, instead of crashing."""
+
+    class Device:
+        platform = "tpu"
+
+    cfg = load_train_config(ROOT / "configs/qwen35-9b-v5p-64.yaml")
+    message = (
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+        "(131.10G) exceeds available HBM (95.74G)."
+    )
+    r = aot._refused("decode", message, 1.5, cfg, [Device()] * 32)
+    assert r.fits is False and r.total is None and r.error.startswith("RESOURCE_EXHAUSTED")
+    assert r.temp == int(131.10 * 1024**3)
+    obj = r.to_json()
+    assert set(obj) == JSON_KEYS and obj["fits"] is False and obj["bytes"]["total"] is None
+    assert "does NOT fit" in aot.format_report(r)

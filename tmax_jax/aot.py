@@ -15,6 +15,7 @@ import dataclasses
 import importlib.util
 import math
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -38,22 +39,29 @@ class ProgramReport:
     platform: str
     topology: str
     devices: int
-    argument: int
-    output: int
-    alias: int
-    temp: int
+    argument: int | None
+    output: int | None
+    alias: int | None
+    temp: int | None
     hbm_bytes: int | None
     compile_s: float
     hlo_path: str | None = None
+    # XLA:TPU's refusal when the program cannot fit HBM (it then reports only what the temporaries
+    # alone need, in ``temp``).
+    error: str | None = None
 
     @property
-    def total(self) -> int:
+    def total(self) -> int | None:
         """Bytes live on one chip at the program's peak: inputs, outputs not aliased to an input, and
-        XLA's temporaries."""
+        XLA's temporaries (None when the compile was refused)."""
+        if self.error is not None:
+            return None
         return self.argument + self.output - self.alias + self.temp
 
     @property
     def fits(self) -> bool | None:
+        if self.error is not None:
+            return False
         return None if self.hbm_bytes is None else self.total <= self.hbm_bytes
 
     def to_json(self) -> dict[str, Any]:
@@ -163,6 +171,27 @@ def _report(name: str, compiled, seconds: float, cfg: TrainConfig, devices: list
     )
 
 
+def _refused(name: str, message: str, seconds: float, cfg: TrainConfig, devices: list) -> ProgramReport:
+    """XLA:TPU refused to compile ``name`` for lack of HBM: what it said it needed, not a crash."""
+    need = re.search(r"temporaries \(([\d.]+)([KMGT])\)", message)
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    temp = int(float(need.group(1)) * scale[need.group(2)]) if need else None
+    line = next((x for x in message.splitlines() if "RESOURCE_EXHAUSTED" in x), message.splitlines()[0])
+    return ProgramReport(
+        program=name,
+        platform=devices[0].platform,
+        topology=cfg.plan.topology,
+        devices=len(devices),
+        argument=None,
+        output=None,
+        alias=None,
+        temp=temp,
+        hbm_bytes=hbm_bytes(cfg.plan.topology),
+        compile_s=seconds,
+        error=line.strip()[:400],
+    )
+
+
 def train_rows(cfg: TrainConfig, rows_multiple: int) -> int:
     """The rows of the largest batch the trainer feeds: every trajectory of a step in a row of its
     own, rounded up to the step's row multiple (``pack_trajectories``)."""
@@ -200,8 +229,15 @@ def compile_programs(
 
     def done(name, lowered_fn):
         t0 = time.perf_counter()
-        compiled = lowered_fn().compile()
-        r = _report(name, compiled, time.perf_counter() - t0, cfg, devices, out_dir)
+        try:
+            compiled = lowered_fn().compile()
+        except Exception as e:  # jax.errors.JaxRuntimeError
+            message = str(e)
+            if "RESOURCE_EXHAUSTED" not in message:
+                raise
+            r = _refused(name, message, time.perf_counter() - t0, cfg, devices)
+        else:
+            r = _report(name, compiled, time.perf_counter() - t0, cfg, devices, out_dir)
         reports.append(r)
         if on_report is not None:
             on_report(r)
@@ -251,6 +287,13 @@ def _abstract_engine(cfg: TrainConfig, step):
 def format_report(r: ProgramReport) -> str:
     def gib(n):
         return f"{n / GiB:9.2f} GiB"
+
+    if r.error is not None:
+        need = "" if r.temp is None else f"; its temporaries alone need {gib(r.temp).strip()}"
+        return (
+            f"{r.program}: XLA:{r.platform.upper()} refused to compile it for {r.topology} "
+            f"({r.devices} devices) after {r.compile_s:.1f} s: does NOT fit{need}\n  {r.error}"
+        )
 
     verdict = (
         "no HBM size known for this generation"
