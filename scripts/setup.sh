@@ -13,4 +13,6 @@ if [ -n "$missing" ]; then
 fi
 PY=${PYTHON:-python3}
 # torch is pinned to the CPU wheel (test extra only); never let pip pull a CUDA build.
-$PY -m pip install -q -e '.[test]'
+# The [tpu] extra (libtpu) lets tmax-jax plan --compile and tests/test_tpu_compile.py compile for TPU
+# topologies on this CPU host; it changes nothing for CPU runs (hostmem.cpu_only, tests/conftest.py).
+$PY -m pip install -q -e '.[test,tpu]'

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import glob
 import importlib.metadata
 import importlib.util
 import os
@@ -75,7 +76,9 @@ def _jax_backend_started() -> bool:
 
 def cpu_only() -> bool:
     """True when JAX can only run on the CPU here: ``JAX_PLATFORMS`` names cpu alone, or no
-    accelerator plugin (CUDA, ROCm, TPU's libtpu) is installed. Starts no backend."""
+    accelerator plugin (CUDA, ROCm, TPU's libtpu) is installed, or libtpu is but this host has no
+    TPU chip (libtpu on a CPU host compiles for TPU topologies only: ``tmax-jax plan --compile``).
+    Starts no backend."""
     platforms = os.environ.get("JAX_PLATFORMS", "").strip().lower()
     if platforms:
         return platforms == "cpu"
@@ -85,7 +88,12 @@ def cpu_only() -> bool:
         return False
     if plugins:
         return False
-    return importlib.util.find_spec("libtpu") is None
+    return importlib.util.find_spec("libtpu") is None or not _tpu_chips()
+
+
+def _tpu_chips() -> bool:
+    """Whether this host exposes TPU chips (``/dev/accel*`` on v4 and earlier, ``/dev/vfio`` since)."""
+    return bool(glob.glob("/dev/accel*")) or bool(glob.glob("/dev/vfio/[0-9]*"))
 
 
 def configure(mode: str | None = None) -> str:

@@ -121,10 +121,16 @@ def serialized(fn: F) -> F:
 
 
 def jit(fn: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
-    """``jax.jit(fn, **jit_kwargs)`` whose every call launches through the queue."""
+    """``jax.jit(fn, **jit_kwargs)`` whose every call launches through the queue. Its ``lower`` and
+    ``trace`` are the jitted function's own (nothing launches): an ahead-of-time compile
+    (``tmax-jax plan --compile``) lowers the very program the calls run."""
     import jax
 
-    return serialized(jax.jit(fn, **jit_kwargs))
+    jitted = jax.jit(fn, **jit_kwargs)
+    call = serialized(jitted)
+    call.lower = jitted.lower
+    call.trace = jitted.trace
+    return call
 
 
 def stats(reset: bool = False) -> dict[str, float]:

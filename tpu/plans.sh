@@ -35,6 +35,22 @@ out=tpu/PLANS.md
     echo '```'
     echo
   done
+  # XLA:TPU's own numbers (tmax-jax plan --compile; needs the [tpu] extra, minutes per program):
+  # COMPILE="CONFIG[:--set ...]" entries, e.g. COMPILE="qwen35-9b-v5p-64".
+  if [ -n "${COMPILE:-}" ]; then
+    echo "## XLA:TPU compiles"
+    echo
+    for entry in $COMPILE; do
+      c=${entry%%:*}
+      sets=""
+      if [ "$entry" != "$c" ]; then sets="--set ${entry#*:}"; sets=${sets//,/ }; fi
+      echo '```'
+      echo "\$ tmax-jax plan configs/$c.yaml --compile $sets"
+      python3 -m tmax_jax plan "configs/$c.yaml" --compile $sets 2>/dev/null
+      echo '```'
+      echo
+    done
+  fi
 } | sed "s|$PWD/||g" >"$out.tmp"
 mv "$out.tmp" "$out"
 echo "wrote $out"

@@ -91,14 +91,19 @@ def load_hf(
     mesh: jax.sharding.Mesh | None = None,
     rules: Rules | None = None,
     remat: str = "none",
+    kernels: str | None = None,
+    attention_kernels: str | None = None,
 ) -> Qwen35ForCausalLM:
     """``dtype``: compute dtype (and parameter dtype unless ``param_dtype`` is given).
 
     With ``mesh``, each parameter is placed with ``NamedSharding(mesh, spec)`` where spec maps its
     logical axis names through ``rules`` (names absent from rules are replicated).
+    ``kernels`` / ``attention_kernels``: the runtime choices of Qwen35Config (None: its defaults).
     """
     path = Path(path)
     cfg = read_hf_config(path)
+    choices = {"kernels": kernels, "attention_kernels": attention_kernels}
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in choices.items() if v})
     files = _weight_files(path)
     prefix = VLM_PREFIX if any(n.startswith(VLM_PREFIX) for n in files) else TEXT_PREFIX
     if cfg.tie_word_embeddings and "lm_head.weight" in files:

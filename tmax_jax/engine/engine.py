@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import threading
 import weakref
 from collections.abc import Sequence
@@ -174,6 +175,20 @@ def _same_leaves(refs: tuple | None, leaves: list) -> bool:
         refs is not None
         and len(refs) == len(leaves)
         and all(isinstance(a, jax.Array) and r() is a and not a.is_deleted() for r, a in zip(refs, leaves))
+    )
+
+
+def _is_abstract(tree: Any) -> bool:
+    """Whether ``tree`` holds shapes only (an ``nnx.eval_shape`` model's state): nothing to launch."""
+    return any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(tree))
+
+
+def _compiled_outputs(jitted: Any, *args: Any) -> Any:
+    """What ``jitted(*args)`` returns, as ``ShapeDtypeStruct``s with the shardings its compiled
+    program gives them (the shardings a call would return), for abstract ``args``."""
+    compiled = jitted.lower(*args).compile()
+    return jax.tree.map(
+        lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding), compiled.out_info
     )
 
 
@@ -364,18 +379,22 @@ class Engine(EngineAPI):
         self._cache_treedef = jax.tree.structure(
             jax.eval_shape(lambda: self._init_cache(model, 1, max_cache_length))
         )
-        self.vocab_size = int(jax.eval_shape(model.lm_head_weight).shape[-1])
+        head = jax.eval_shape(lambda st: nnx.merge(self._graphdef, st).lm_head_weight(), state)
+        self.vocab_size = int(head.shape[-1])
         # Trace counts per jitted function: a retrace is a recompile, so tests can assert none happen.
         self.trace_counts: collections.Counter[str] = collections.Counter()
         probe = jax.eval_shape(lambda: self._init_cache(model, 1, max_cache_length))
         self._narrowable = hasattr(probe, "narrow") and hasattr(probe, "widen_into")
-        self._prefill_fresh_jit = launch.jit(self._prefill_fresh_impl, static_argnums=(3,))
-        self._prefill_cont_jit = launch.jit(self._prefill_cont_impl, static_argnums=(4,))
+        on_mesh = self._on_mesh
+        self._prefill_fresh_jit = launch.jit(on_mesh(self._prefill_fresh_impl), static_argnums=(3,))
+        self._prefill_cont_jit = launch.jit(on_mesh(self._prefill_cont_impl), static_argnums=(4,))
         self._row_jit = launch.jit(self._row_impl)
         self._sample_first_jit = launch.jit(self._sample_first_impl)
         self._first_tokens_jit = launch.jit(self._first_tokens_impl)
-        self._generate_jit = launch.jit(self._generate_impl, donate_argnums=(1,))
-        self._block_jit = launch.jit(self._generate_block_impl, static_argnums=(3,), donate_argnums=(1,))
+        self._generate_jit = launch.jit(on_mesh(self._generate_impl), donate_argnums=(1,))
+        self._block_jit = launch.jit(
+            on_mesh(self._generate_block_impl), static_argnums=(3,), donate_argnums=(1,)
+        )
         self._live_length_jit = launch.jit(self._live_length_impl)
         self._insert_jit = launch.jit(self._insert_impl, donate_argnums=(1,))
         self._extract_jit = launch.jit(self._extract_impl)
@@ -418,6 +437,21 @@ class Engine(EngineAPI):
     @property
     def params(self) -> Any:
         return self._params
+
+    def _on_mesh(self, fn: Any) -> Any:
+        """``fn`` traced under the weights' mesh when it spans several devices, as the train step is
+        traced under its own: the model's Pallas kernels then run per shard (``shard_map``), which a
+        custom call XLA cannot partition needs (Mosaic refuses to be partitioned automatically)."""
+
+        @functools.wraps(fn)
+        def traced(*args, **kwargs):
+            mesh = self.mesh
+            if mesh.size == 1 or not jax.sharding.get_abstract_mesh().empty:
+                return fn(*args, **kwargs)
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return fn(*args, **kwargs)
+
+        return traced
 
     def _on_model_devices(self, tree: Any) -> Any:
         """``tree`` (the MTP module's weights) where the model's are: as it is when every leaf is
@@ -499,7 +533,13 @@ class Engine(EngineAPI):
             return self._copy_jit(state) if copy else state
         if not self._unroll:
             narrow = self._compute_dtype is not None
+            if _is_abstract(state):  # shapes only (ahead-of-time compiles)
+                return _compiled_outputs(self._cast_jit, state) if narrow else state
             return self._cast_jit(state) if (copy or narrow) else state
+        if _is_abstract(state):  # shapes only (ahead-of-time compiles): the periods' shapes
+            return PeriodParams(
+                rest=_rest(state), periods=_compiled_outputs(self._unstack_jit, state["blocks"])
+            )
         if copy:
             return self._own_periods_jit(state)
         return PeriodParams(rest=_rest(state), periods=self._unstack_jit(state["blocks"]))
@@ -1024,6 +1064,40 @@ class Engine(EngineAPI):
         """Stop decoding ``slot`` (cancelled, or ended by a stop string found on the host)."""
         self._check_slot(slot)
         return self._deactivate_jit(decode_state, jnp.int32(slot))
+
+    # ----------------------------------------------------------------- ahead of time
+    # An engine built from an ``nnx.eval_shape`` model (shapes with shardings) lowers its programs
+    # without allocating anything; ``.compile()`` of the result compiles them for the params' devices.
+    def abstract_decode_state(self) -> DecodeState:
+        """Shapes of ``init_decode_state()``, without shardings: its program reads no input, so its
+        outputs are uncommitted arrays on one device, placed by the first program that reads them."""
+        return jax.eval_shape(self._init_decode_state_impl, self._params)
+
+    def lower_prefill(self, rows: int | None = None, width: int | None = None) -> Any:
+        """``prefill_many``'s batched program for ``rows`` prompts (default ``max_prefill_batch``) of
+        ``width`` tokens (default ``max_prefill_length``), as its calls run it."""
+        rows = self._max_prefill_batch if rows is None else _next_pow2(rows)
+        width = self.bucket(self._max_prefill if width is None else width)
+        tokens_BxT = jax.ShapeDtypeStruct((rows, width), jnp.int32)
+        true_len_B = jax.ShapeDtypeStruct((rows,), jnp.int32)
+        attend = self.attend_length(width)
+        return self._prefill_fresh_jit.lower(
+            self._params, tokens_BxT, true_len_B, attend, mtp=self._mtp_state
+        )
+
+    def lower_generate_block(self, max_length: int | None = None) -> Any:
+        """``generate_block``'s program with attention over ``max_length`` tokens (default the whole
+        cache, its largest bucket), as its calls run it."""
+        attend = self.attend_length(self._max_len if max_length is None else max_length)
+        steps = jax.ShapeDtypeStruct((), jnp.int32)
+        return self._block_jit.lower(
+            self._params,
+            self.abstract_decode_state(),
+            steps,
+            attend,
+            mtp=self._mtp_state,
+            speculate=jax.ShapeDtypeStruct((), jnp.bool_),
+        )
 
     # ----------------------------------------------------------------- generate
     def _decode_step(self, model, periods, state: DecodeState):

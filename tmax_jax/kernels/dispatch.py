@@ -13,8 +13,8 @@ keeps GPUs on the JAX path; ``pallas`` still forces the kernels there. On TPU th
 checked in interpret mode and through Mosaic's lowering only, never on a chip; ``kernels: jax``
 (the model config's default) is the known-good choice until device_check passes there.
 
-The backend is read when the call is traced (``jax.default_backend()``), like the JAX path's matmul
-precision.
+The backend is the target platform, read when the call is traced (``tmax_jax.target``: the mesh's
+devices, not the host's), like the JAX path's matmul precision.
 
 Under a mesh (``jax.set_mesh``) the kernels run inside ``jax.shard_map``: rows split over the batch
 axes, value heads over the axis the rules table gives ``lin_v_heads``. The rule is independent per
@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from tmax_jax.kernels.gated_delta_rule import pallas_chunked_gated_delta_rule
+from tmax_jax.target import several_devices, target_platform
 
 KERNEL_CHOICES = ("auto", "jax", "pallas")
 _ACCELERATORS = ("tpu", "gpu")
@@ -47,7 +48,7 @@ def check_kernels(kernels: str) -> str:
 def resolve_kernels(kernels: str, backend: str | None = None) -> tuple[str, str | None, bool]:
     """``(implementation, pallas launcher, interpret)`` for a choice on a backend (default: JAX's)."""
     check_kernels(kernels)
-    backend = jax.default_backend() if backend is None else backend
+    backend = target_platform() if backend is None else backend
     on_accelerator = backend in _ACCELERATORS
     if kernels == "jax" or (kernels == "auto" and backend not in _AUTO_KERNELS):
         return "jax", None, False
@@ -78,7 +79,7 @@ def _sharded_pallas(args, **kw):
     q, k, v, g, beta, s0, groups = args
     B, T, H, K = q.shape
     rows, head_axis = _mesh_axes(B, H)
-    if not rows and head_axis is None:
+    if not rows and head_axis is None and not several_devices():
         return pallas_chunked_gated_delta_rule(*args, **kw)
     if s0 is None:
         s0 = jnp.zeros((B, H, K, v.shape[-1]), jnp.float32)

@@ -23,7 +23,7 @@ from tmax_jax.rl.config import LossConfig, RLConfig
 from tmax_jax.rl.logprobs import token_logprobs
 from tmax_jax.rl.losses import combine_stats, finalize_stats, loss_normalizer, loss_terms
 from tmax_jax.rl.optim import learning_rate_schedule, make_optimizer
-from tmax_jax.rl.packing import BATCH_FIELDS, ROUTING_FIELD, validate_batch
+from tmax_jax.rl.packing import BATCH_FIELDS, ROUTING_FIELD, empty_batch, validate_batch
 
 # Optional batch field: int32 [B, T], the learner's version minus the oldest version that sampled each
 # target or a generated token before it (policy_lag(); < 0 where unknown or not generated). It feeds
@@ -181,6 +181,28 @@ class TrainStep:
         # shard_map specs) when the step is traced: a mesh.rules override must be in force then.
         with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.mesh_cfg.rules):
             return self._jitted(state, dict(batch))
+
+    # -- ahead of time -------------------------------------------------------------------------------
+    def abstract_batch(self, rows: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+        """Shapes, dtypes and shardings of a device batch of ``rows`` x ``seq_len`` (what ``put_batch``
+        makes; ``rows`` a multiple of ``rows_multiple``)."""
+        if rows % self.rows_multiple:
+            raise ConfigError(f"abstract_batch: {rows} rows, not a multiple of {self.rows_multiple}")
+        shapes = {k: (v.shape, v.dtype) for k, v in empty_batch(1, 1).items()}
+        shapes[LAG_FIELD] = ((1, 1), np.dtype(np.int32))
+        if self.routing_replay:
+            shapes[ROUTING_FIELD] = ((1, 1, *self.routing_shape), np.dtype(np.int16))
+        return {
+            k: jax.ShapeDtypeStruct((rows, seq_len, *shape[2:]), dtype, sharding=self.batch_shardings[k])
+            for k, (shape, dtype) in shapes.items()
+        }
+
+    def lower(self, state: TrainState, batch: Mapping):
+        """The step's program lowered for ``state`` and ``batch`` (arrays or ``ShapeDtypeStruct``s with
+        the step's shardings: ``abstract_state``, ``abstract_batch``) as ``__call__`` traces it: same
+        function, shardings, donation, mesh and rules. Nothing runs; ``.compile()`` compiles it."""
+        with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.mesh_cfg.rules):
+            return self._jitted.lower(state, dict(batch))
 
     # -- the step -----------------------------------------------------------------------------------
     def _micro_loss(self, params, mb, normalizer):

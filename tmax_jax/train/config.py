@@ -14,6 +14,7 @@ from tmax_jax.agent.episode import AgentConfig
 from tmax_jax.config import load_yaml, override
 from tmax_jax.distributed import DistributedConfig
 from tmax_jax.errors import ConfigError
+from tmax_jax.kernels.dispatch import KERNEL_CHOICES
 from tmax_jax.rl.config import RLConfig
 from tmax_jax.sandbox.config import SandboxConfig
 from tmax_jax.sharding import MeshConfig
@@ -40,11 +41,24 @@ class ModelSource:
     init_seed: int = 0
     dtype: str = "float32"  # compute dtype of the policy (bfloat16 on accelerators); the head is f32
     param_dtype: str = "float32"
+    # Runtime choices of the model's kernels (Qwen35Config.kernels / attention_kernels: auto, jax,
+    # pallas); "" keeps the model's defaults. The target platform decides what "auto" means.
+    kernels: str = ""
+    attention_kernels: str = ""
 
     def __post_init__(self) -> None:
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ConfigError(f"model.{name}={getattr(self, name)!r}; expected one of {list(DTYPES)}")
+        for name in ("kernels", "attention_kernels"):
+            if getattr(self, name) not in ("", *KERNEL_CHOICES):
+                raise ConfigError(
+                    f"model.{name}={getattr(self, name)!r}; expected one of {list(KERNEL_CHOICES)} or ''"
+                )
+
+    def runtime_choices(self) -> dict[str, str]:
+        """The kernel choices this config sets (for ``load_hf`` and ``shape``)."""
+        return {k: getattr(self, k) for k in ("kernels", "attention_kernels") if getattr(self, k)}
 
     def shape(self):
         """The Qwen35Config this run trains: preset (or the checkpoint's config.json, or tiny) + overrides."""
@@ -59,7 +73,7 @@ class ModelSource:
         updates = dict(self.overrides)
         if {"num_hidden_layers", "full_attention_interval"} & set(updates) and "layer_types" not in updates:
             updates["layer_types"] = ()  # re-derive the layer pattern for the new depth / interval
-        return override(base, updates, _path="model.overrides")
+        return dataclasses.replace(override(base, updates, _path="model.overrides"), **self.runtime_choices())
 
     @property
     def name(self) -> str:
@@ -73,10 +87,24 @@ class PlanSettings:
     num_devices: int = 0  # 0 = the devices JAX sees here
     device_name: str = "device"
     device_memory_gib: float | None = None  # None = no fit verdict
+    # The TPU slice `plan --compile` compiles for (libtpu's topology names, jax.experimental.topologies):
+    # e.g. "v5p:2x4x4" (32 chips), "v5p:2x2x1" (one 4-chip host); "" = none (no XLA:TPU compile).
+    topology: str = ""
+    chip_config: str = "megacore"  # "megacore" (v4, v5p: one device per chip) or "default"
+    chips_per_host: tuple[int, ...] = (2, 2, 1)
+    num_slices: int = 1
 
     def __post_init__(self) -> None:
         if self.num_devices < 0:
             raise ConfigError(f"plan.num_devices must be >= 0, got {self.num_devices}")
+        if self.chip_config not in ("megacore", "default"):
+            raise ConfigError(f"plan.chip_config must be megacore or default, got {self.chip_config!r}")
+        if len(self.chips_per_host) != 3 or any(int(n) < 1 for n in self.chips_per_host):
+            raise ConfigError(
+                f"plan.chips_per_host must be three sizes >= 1, got {list(self.chips_per_host)}"
+            )
+        if self.num_slices < 1:
+            raise ConfigError(f"plan.num_slices must be >= 1, got {self.num_slices}")
         if self.device_memory_gib is not None and self.device_memory_gib <= 0:
             raise ConfigError(f"plan.device_memory_gib must be > 0, got {self.device_memory_gib}")
 

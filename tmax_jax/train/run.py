@@ -82,7 +82,11 @@ def build_run(cfg: TrainConfig, *, progress: bool = True) -> Run:
     draft = draft_settings(cfg, init, mesh if nproc == 1 else None)
     init = warm_start(cfg, init, train_tasks, chat, mesh, progress=progress)
     model = load_hf(
-        init, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, remat=cfg.rl.train_step.remat
+        init,
+        dtype=cfg.model.dtype,
+        param_dtype=cfg.model.param_dtype,
+        remat=cfg.rl.train_step.remat,
+        **cfg.model.runtime_choices(),
     )
     train_step = TrainStep(model, cfg.rl, mesh, cfg.mesh)
     if train_step.rows_multiple % nproc:

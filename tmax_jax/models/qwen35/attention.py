@@ -16,6 +16,7 @@ from tmax_jax.models.qwen35.norms import norm_init_value, rms_norm
 from tmax_jax.models.qwen35.params import constant, make_param, normal
 from tmax_jax.models.qwen35.remat import TOKEN_CHUNK, tokenwise_chunked
 from tmax_jax.models.qwen35.rope import apply_partial_rope
+from tmax_jax.target import several_devices, target_platform
 
 QUERY_BLOCK = 1024  # up to this many queries and keys, one unblocked softmax (fastest on CPU)
 CAUSAL_BLOCK = 128  # causal self-attention up to QUERY_BLOCK: query blocks see only keys up to their end
@@ -104,7 +105,7 @@ def splash_attention(q_BxTxGxRxE, k_BxTxGxE, v_BxTxGxE, seg_BxT, *, interpret: b
         return jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=s))(q, k, v, segs)
 
     rows, heads = _splash_mesh_axes(B, G)
-    if rows or heads:
+    if rows or heads or several_devices():
         # XLA cannot partition a custom call: without shard_map it would gather every row and head
         # onto each device. Rows and kv heads (with their query heads) are independent.
         bhte = P(rows or None, heads, None, None)
@@ -167,7 +168,7 @@ def triton_attention(q_BxTxGxRxE, k_BxTxGxE, v_BxTxGxE, seg_BxT, *, interpret: b
         return out.reshape(b, t, g, R, E)
 
     rows, heads = _splash_mesh_axes(B, G)
-    if rows or heads:
+    if rows or heads or several_devices():
         # As for splash: a custom call XLA cannot partition runs per shard (rows and kv heads with
         # their query heads are independent).
         btg = P(rows or None, None, heads)
@@ -180,7 +181,8 @@ def triton_attention(q_BxTxGxRxE, k_BxTxGxE, v_BxTxGxE, seg_BxT, *, interpret: b
 
 def attention_kernel(kernels: str, seq_len: int, backend: str | None = None) -> tuple[str, bool]:
     """``(form, interpret)`` of causal self-attention past the unblocked size, by the model config's
-    ``attention_kernels`` choice on a backend (default: JAX's, read when the call is traced):
+    ``attention_kernels`` choice on a backend (default: the target platform, ``tmax_jax.target``, read
+    when the call is traced):
 
     - ``jax``: the blockwise JAX form (``flash_attention.py``) everywhere;
     - ``auto``: the TPU splash kernel on TPU (rows it divides into blocks), the JAX form elsewhere.
@@ -190,7 +192,7 @@ def attention_kernel(kernels: str, seq_len: int, backend: str | None = None) -> 
     """
     if kernels not in ATTENTION_KERNELS:
         raise ValueError(f"attention_kernels={kernels!r}; expected one of {list(ATTENTION_KERNELS)}")
-    backend = jax.default_backend() if backend is None else backend
+    backend = target_platform() if backend is None else backend
     if kernels == "jax":
         return "flash", False
     if backend == "tpu":

@@ -68,6 +68,7 @@ from tmax_jax.models.qwen35.numerics import (
     zeros_after,
 )
 from tmax_jax.models.qwen35.numerics import from_bits as _from_bits
+from tmax_jax.target import target_platform
 
 f32 = jnp.float32
 
@@ -120,7 +121,7 @@ def _form() -> tuple[int, bool]:
     """
     if _FORM_OVERRIDE is not None:
         return _FORM_OVERRIDE
-    return (1, False) if jax.default_backend() == "cpu" else (8, True)
+    return (1, False) if target_platform() == "cpu" else (8, True)
 
 
 def _unit_lower_inverse(strict_lower: jax.Array) -> jax.Array:

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from tmax_jax.errors import ConfigError
+from tmax_jax.target import target_platform
 
 # How the float32 matmuls that must stay float32 (LM head, delta-rule state) run on an accelerator,
 # by name (environment variable TMAX_JAX_F32_DOT). "highest" is exact float32: on GPUs that is
@@ -45,7 +46,7 @@ def f32_matmul_precision(backend: str | None = None):
     was seen to deadlock XLA's CPU thread pool next to LAPACK triangular solves on 2-core machines.
     """
     name = f32_dot_setting()  # checked on every backend, so a typo fails on CPU too
-    if (backend or jax.default_backend()) == "cpu":
+    if (backend or target_platform()) == "cpu":
         return None
     return F32_DOT_ALGORITHMS[name]
 
