@@ -271,13 +271,7 @@ class PodmanSandbox(Sandbox):
             raise SandboxError(f"podman sandbox setup failed{hint}: {r.stderr.strip()[-500:]}")
         # The container's init and its ``sleep`` (host pids), spared by a strict verifier's stop of
         # the agent's processes.
-        r = subprocess.run(
-            ["podman", "inspect", "-f", "{{.State.Pid}}", self.name],
-            capture_output=True,
-            env=tool_env(),
-            text=True,
-            timeout=60,
-        )
+        r = self._inspect("{{.State.Pid}}")
         try:
             init = int(r.stdout.strip())
         except ValueError:
@@ -346,13 +340,7 @@ class PodmanSandbox(Sandbox):
         """(merged dir, upper dir, image layer dirs) of the agent container's overlay, on the host."""
         if self._layers is None:
             fmt = "{{.GraphDriver.Name}}\n{{.GraphDriver.Data.MergedDir}}\n{{.GraphDriver.Data.UpperDir}}\n{{.GraphDriver.Data.LowerDir}}"
-            r = subprocess.run(
-                ["podman", "inspect", "-f", fmt, self.name],
-                capture_output=True,
-                env=tool_env(),
-                text=True,
-                timeout=60,
-            )
+            r = self._inspect(fmt)
             lines = r.stdout.split("\n")
             if r.returncode != 0 or len(lines) < 4 or lines[0] != "overlay" or not lines[1] or not lines[2]:
                 raise SandboxError(
@@ -495,14 +483,18 @@ class PodmanSandbox(Sandbox):
         return exec_result(got, cap)
 
     # ---- lifecycle -------------------------------------------------------------------------------
-    def _alive(self) -> bool:
-        r = subprocess.run(
-            ["podman", "inspect", "-f", "{{.State.Running}}", self.name],
+    def _inspect(self, fmt: str) -> subprocess.CompletedProcess:
+        """``podman inspect -f FMT`` of the agent's container (text; the caller checks the status)."""
+        return subprocess.run(
+            ["podman", "inspect", "-f", fmt, self.name],
             capture_output=True,
             env=tool_env(),
             text=True,
             timeout=60,
         )
+
+    def _alive(self) -> bool:
+        r = self._inspect("{{.State.Running}}")
         return r.returncode == 0 and r.stdout.strip() == "true"
 
     def _close(self) -> None:

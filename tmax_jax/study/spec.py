@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from tmax_jax.config import parse_dotted
+from tmax_jax.config import load_yaml, parse_dotted
 from tmax_jax.errors import ConfigError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -103,14 +103,7 @@ def load_study(path: str | Path, out: str | Path | None = None) -> Study:
     from tmax_jax.train.config import load_train_config
 
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"study file not found: {path}")
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(doc, dict):
-        raise ConfigError(f"{path}: a study is a mapping with base, variants, seeds, out")
+    doc = load_yaml(path)  # errors name a missing file, bad YAML or a top level that is no mapping
     unknown = sorted(set(doc) - _KEYS)
     if unknown:
         raise ConfigError(f"{path}: unknown study key {unknown[0]!r} (known: {', '.join(sorted(_KEYS))})")
