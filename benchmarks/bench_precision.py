@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from benchmarks.bench_train_step import make_batch  # noqa: E402
+from benchmarks.hlo_report import analyze as analyze_hlo  # noqa: E402
 from tmax_jax.models.qwen35 import Qwen35Config, numerics  # noqa: E402
 from tmax_jax.models.qwen35 import delta_rule as delta_rule_mod  # noqa: E402
 from tmax_jax.rl.config import OptimizerConfig, RLConfig  # noqa: E402
@@ -99,70 +99,6 @@ def dot_classes(stablehlo: str, show: str = "") -> Counter:
     return out
 
 
-# --------------------------------------------------------------------------- compiled matmul work
-def _computations(hlo: str) -> dict[str, str]:
-    return {
-        m.group(1): m.group(2)
-        for m in re.finditer(r"^(?:ENTRY )?%?([\w.\-]+) (?:\(.*?\) -> .*? )?\{\n(.*?)\n\}", hlo, re.M | re.S)
-    }
-
-
-_SHAPE = re.compile(r"^\w+\[([\d,]*)\]")
-_DEF = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+) ")
-_PARAM = re.compile(r"([\w.\-]+): (\w+\[[\d,]*\])")
-_DOT = re.compile(r" dot\(%([\w.\-]+), %[\w.\-]+\).*?lhs_contracting_dims=\{([\d,]*)\}")
-_CALLS = re.compile(r"(?:calls|to_apply|branch_computations)=\{?(%[\w.\-]+(?:, %[\w.\-]+)*)\}?")
-
-
-def _dims(shape: str) -> list[int] | None:
-    m = _SHAPE.match(shape)
-    return [int(d) for d in m.group(1).split(",") if d] if m else None
-
-
-def matmul_flops(hlo: str, unknown_trips: int = 1) -> float:
-    """Dot FLOPs of a compiled module, each computation weighted by how often it runs: a while body
-    by its loop's ``known_trip_count`` (``unknown_trips`` where XLA does not know it), anything
-    called once each."""
-    headers = {
-        m.group(1): m.group(2)
-        for m in re.finditer(r"^(?:ENTRY )?%([\w.\-]+) \((.*?)\) -> .*? \{$", hlo, re.M)
-    }
-    comps = _computations(hlo)
-    entry = re.search(r"^ENTRY %?([\w.\-]+)", hlo, re.M).group(1)
-    memo: dict[str, float] = {}
-
-    def work(name: str) -> float:
-        if name in memo:
-            return memo[name]
-        memo[name] = 0.0  # no recursion through a cycle
-        shapes = dict(_PARAM.findall(headers.get(name, "")))
-        total = 0.0
-        for line in comps.get(name, "").splitlines():
-            d = _DEF.match(line)
-            if d:
-                shapes[d.group(1)] = d.group(2)
-            m = _DOT.search(line)
-            if m and d:
-                out, lhs = _dims(d.group(2)), _dims(shapes.get(m.group(1), ""))
-                if out is not None and lhs is not None:
-                    contracted = np.prod([lhs[int(i)] for i in m.group(2).split(",") if i] or [1])
-                    total += 2.0 * float(np.prod(out or [1])) * float(contracted)
-            if " while(" in line:
-                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-                body = re.search(r"body=%([\w.\-]+)", line).group(1)
-                total += (int(trip.group(1)) if trip else unknown_trips) * work(body)
-                continue
-            for m2 in _CALLS.finditer(line):
-                for callee in m2.group(1).split(","):
-                    callee = callee.strip().lstrip("%")
-                    if callee in comps and callee != name:
-                        total += work(callee)
-        memo[name] = total
-        return total
-
-    return work(entry)
-
-
 def matmul_params(state_params) -> int:
     """Weights the tokens multiply: every parameter of rank >= 2 except the (tied) embedding table's
     lookup, which the head's matmul counts once."""
@@ -196,7 +132,7 @@ def analyse(cfg, rows, seq, remat, policy, accelerator, show: str = "", dump: st
         hlo = compiled.as_text()
         # The one loop whose trip count XLA cannot know is the head's, over the response's chunks
         # (it stops at the last response token); the benchmark's responses run to the end.
-        flops = matmul_flops(hlo, -(-seq // rl.loss.logprob_chunk))
+        flops = analyze_hlo(hlo, unknown_trips=-(-seq // rl.loss.logprob_chunk))["dot_flops"]
         if dump:
             Path(dump).mkdir(parents=True, exist_ok=True)
             (Path(dump) / f"train_step-{remat}-{policy}.hlo.txt").write_text(hlo)
