@@ -16,7 +16,7 @@ import shlex
 from pathlib import Path
 
 from tmax_jax.errors import TaskFormatError
-from tmax_jax.sandbox.recipe import _HEREDOC, instructions
+from tmax_jax.sandbox.recipe import HEREDOC, instructions
 
 # Commands that download, matched against each simple command of a RUN step or script line (split on
 # && ; | and newlines); the first match names the command. The patterns err towards "fetches": a
@@ -75,7 +75,7 @@ _SHELL_READS = re.compile(r"^(?:\S*/)?(?:ba|da|z)?sh(?:\s+-\w+)*$|\|\s*(?:\S*/)?
 
 
 def _runs_heredoc(rest: str) -> bool:
-    cmd = _HEREDOC.sub("", rest).strip()
+    cmd = HEREDOC.sub("", rest).strip()
     return not cmd or bool(_SHELL_READS.search(cmd))
 
 

@@ -36,7 +36,9 @@ DEFAULT_SHELL = ("/bin/bash", "-c")
 # RUN flags that change nothing a replay keeps: a cache mount only speeds a build up; the network
 # flags are moot (build steps that download are found and reported by the availability check).
 _HARMLESS_RUN_FLAGS = re.compile(r"^--(mount=(type=cache|type=tmpfs)\b.*|network=.*|security=sandbox)$")
-_HEREDOC = re.compile(r"(?<!<)<<(-?)\s*([\"']?)([A-Za-z_][\w.-]*)\2")
+# A heredoc opener (<<EOF, <<-"EOF", <<'EOF'): delimiter in group 3 (also read by the eval
+# environment check).
+HEREDOC = re.compile(r"(?<!<)<<(-?)\s*([\"']?)([A-Za-z_][\w.-]*)\2")
 _ARCHIVE = re.compile(r"\.(tar|tgz|tbz2?|txz|tar\.(gz|bz2|xz|zst))$")
 
 
@@ -96,7 +98,7 @@ def instructions(text: str, where: Path | str = "Dockerfile") -> list[Instructio
         name, rest = name.upper(), rest.strip()
         docs = []
         if name in ("RUN", "COPY", "ADD"):
-            for m in _HEREDOC.finditer(rest):
+            for m in HEREDOC.finditer(rest):
                 strip_tabs, quoted, delim = m.group(1) == "-", bool(m.group(2)), m.group(3)
                 body = []
                 while True:
@@ -469,7 +471,7 @@ class _DockerfileReplay:
             if not _HARMLESS_RUN_FLAGS.match(m.group(1)):
                 raise TaskFormatError(f"{where}: RUN flag {m.group(1)} is not supported by the bwrap backend")
             rest = rest[m.end() :]
-        if ins.heredocs and _HEREDOC.fullmatch(rest):
+        if ins.heredocs and HEREDOC.fullmatch(rest):
             delim, _, body = ins.heredocs[0]
             if body.startswith("#!"):
                 # A script with its own interpreter runs as a file, as BuildKit runs it.
@@ -561,7 +563,7 @@ def _copy(
     targets = []
     plain = []
     for s in srcs:
-        m = _HEREDOC.fullmatch(s) if s.startswith("<<") else None
+        m = HEREDOC.fullmatch(s) if s.startswith("<<") else None
         if m and m.group(3) in docs:
             # COPY <<EOF /path: an inline file; an unquoted delimiter expands build variables.
             quoted, body = docs[m.group(3)]

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from tmax_jax.errors import TmaxError
-from tmax_jax.study.spec import Study, _yaml_value
+from tmax_jax.study.spec import Study, yaml_value
 
 
 class StudyInterrupted(TmaxError):
@@ -28,7 +28,7 @@ def train_argv(study: Study, variant: str, seed: int) -> list[str]:
     """``tmax-jax train`` arguments of one run (without the program name)."""
     out = ["train", str(study.base), "--no-progress"]
     for key, value in study.overrides(variant, seed).items():
-        out += ["--set", f"{key}={_yaml_value(value)}"]
+        out += ["--set", f"{key}={yaml_value(value)}"]
     return out
 
 

@@ -76,10 +76,11 @@ class Study:
 
 def nested(dotted: dict[str, Any]) -> dict[str, Any]:
     """``{"rl.loss.name": "grpo"}`` -> ``{"rl": {"loss": {"name": "grpo"}}}`` (what ``override`` takes)."""
-    return parse_dotted([f"{k}={_yaml_value(v)}" for k, v in dotted.items()])
+    return parse_dotted([f"{k}={yaml_value(v)}" for k, v in dotted.items()])
 
 
-def _yaml_value(v: Any) -> str:
+def yaml_value(v: Any) -> str:
+    """``v`` as the one-line YAML that ``--set key=VALUE`` parses back to ``v``."""
     text = yaml.safe_dump(v, default_flow_style=True, width=1 << 20).strip()
     return text.removesuffix("\n...").strip()
 
