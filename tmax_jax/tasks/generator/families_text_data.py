@@ -70,7 +70,6 @@ class LogErrorCount(Family):
             fixtures,
             [out],
             "\n".join(expected),
-            inputs=[f"{w}/{n}" for n in fixtures],
         )
 
 
@@ -377,9 +376,7 @@ class AudioMetadata(Family):
                     return 0.0
                 return exact_text(p.read_text(), {want!r})
             """
-        return self.in_workdir(
-            w, prompt, solve, check, fixtures, [out], inputs=[f"{w}/{n}" for n in fixtures]
-        )
+        return self.in_workdir(w, prompt, solve, check, fixtures, [out])
 
 
 @register
