@@ -149,5 +149,7 @@ def compare(study: Study) -> dict[str, Any]:
         "seeds": list(study.seeds),
         "runs": {v: recs for v, recs in records.items()},
         "variants": variants,
-        "missing": [study.run_name(v, s) for v, s in study.runs() if run_record(study, v, s) is None],
+        "missing": [
+            study.run_name(v, s) for v, s in study.runs() if s not in {r["seed"] for r in records[v]}
+        ],
     }
